@@ -1,0 +1,117 @@
+// The attention-residual ops (docs/ops/*.md, the contract in shared/spec/ops.md).
+//
+//   attn_res                         mixture + fp32 rsigma/probs/logits
+//   attn_res_rmsnorm                 output = RMSNorm(mixture), optional pre-norm tap
+//   attn_res_add_rmsnorm             updated = prefix + add (+ add2); output; optional tap and snapshot write
+//   attn_res_add_rmsnorm_persistent  same with an optional add and no add2, on the persistent kernel
+//
+// Flow: validate (ArgumentError) -> plan (pure: picks the kernel or declines) -> run on the caller's stream.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "attnres/device.hpp"
+#include "attnres/tensor.hpp"
+
+namespace attnres {
+
+enum class AttnResOp : int32_t {
+  attn_res = 0,
+  attn_res_rmsnorm = 1,
+  attn_res_add_rmsnorm = 2,
+  attn_res_add_rmsnorm_persistent = 3,
+};
+const char* op_name(AttnResOp op);
+
+// Every argument of every op; each op names which it requires, accepts or refuses (docs/ops/<op>.md).
+struct AttnResArgs {
+  // inputs (bf16)
+  TensorRef layer_residual;       // [T, H] the prefix sum; innermost stride 1, any token stride
+  TensorRef layer_residual_add;   // [T, H] optional addend
+  TensorRef layer_residual_add2;  // [T, H] optional second addend; requires layer_residual_add
+  TensorRef block_residual;       // [K, T, H] snapshot bank view; snapshot and token strides are free
+  TensorRef res_weight;           // [H] or [1, H] pseudo-query (weight of the scoring Linear(H, 1))
+  TensorRef rms_weight;           // [H] gain of the scoring RMSNorm
+  TensorRef norm_weight;          // [H] gain of the trailing RMSNorm (the norm ops)
+  double rms_eps = 1e-5;
+  double norm_eps = 1e-5;
+  // outputs (caller-allocated)
+  TensorRef output;   // [T, H] bf16: the normed output (norm ops) or the mixture (attn_res)
+  TensorRef updated;  // [T, H] bf16: the updated prefix; required exactly when an addend is given
+  TensorRef mixture;  // [T, H] bf16: optional pre-norm tap (norm ops)
+  TensorRef rsigma, probs, logits;  // [N, T] fp32 diagnostics (attn_res; optional)
+  // Snapshot write: P is stored into bank row `snapshot_slot` (the row at block_residual.data +
+  // snapshot_slot * snapshot stride). Must be >= K: the row is not a candidate of the same call. -1: none.
+  int64_t snapshot_slot = -1;
+  void* stream = nullptr;  // cudaStream_t of the caller; ignored on the CPU backend
+};
+
+enum class Topology : int32_t { per_token = 0, persistent = 1, split = 2 };
+enum class KernelKind : int32_t { automatic = 0, cpu = 1, single_cta = 2, split_k = 3, persistent = 4 };
+const char* kernel_name(KernelKind kernel);
+const char* topology_name(Topology topology);
+
+// Options come in as arguments; the library reads no environment variable.
+struct Options {
+  Topology topology = Topology::per_token;
+  int64_t split_max_tokens = 32;  // topology split: per-token kernels up to this T, persistent above
+  bool pdl = true;                // programmatic dependent launch on the CUDA kernels
+  KernelKind kernel = KernelKind::automatic;  // force a kernel (tests, benchmarks); still validated
+  int32_t cluster = 0;            // split_k cluster size override (0: the measured default)
+};
+
+// What the plan needs to know of a call: a pure function of these, the device and the options.
+struct PlanQuery {
+  AttnResOp op = AttnResOp::attn_res;
+  int64_t tokens = 0;      // T
+  int64_t candidates = 0;  // N = K + 1
+  int64_t hidden = 0;      // H
+  bool add = false, add2 = false, tap = false, snapshot = false, diagnostics = false;
+};
+
+struct Plan {
+  KernelKind kernel = KernelKind::automatic;  // the kernel that runs; automatic when declined
+  std::string decline;                        // why the call cannot run as asked; empty when accepted
+  // CUDA launch geometry (per-token kernels): one cluster of `cluster` blocks of `threads` threads per
+  // token; each thread owns `vectors` 16-byte (8 x bf16) slices of every candidate row.
+  int32_t cluster = 1;
+  int32_t threads = 0;
+  int32_t vectors = 1;
+  int32_t max_candidates = 0;  // compile-time bucket of N the kernel instance is built for
+  bool pdl = false;
+
+  bool accepted() const { return decline.empty(); }
+};
+
+// Throws ArgumentError on any violated precondition; with require_outputs=false, absent outputs are
+// allowed (plan-only queries), present ones are still checked.
+void validate(AttnResOp op, const AttnResArgs& args, bool require_outputs = true);
+PlanQuery plan_query(AttnResOp op, const AttnResArgs& args);
+
+// Pure: the kernel (and its geometry) for a call, or the reason it is declined.
+Plan plan(const PlanQuery& query, const DeviceInfo& device, const Options& options = {});
+// Validates the call, queries its device, then plans.
+Plan plan(AttnResOp op, const AttnResArgs& args, const Options& options = {});
+
+// Validate, plan, launch on args.stream (CUDA) or compute (CPU). Throws ArgumentError / UnsupportedError
+// before anything is written, CudaError if a launch fails.
+void run(AttnResOp op, const AttnResArgs& args, const Options& options = {});
+
+inline void attn_res(const AttnResArgs& a, const Options& o = {}) { run(AttnResOp::attn_res, a, o); }
+inline void attn_res_rmsnorm(const AttnResArgs& a, const Options& o = {}) {
+  run(AttnResOp::attn_res_rmsnorm, a, o);
+}
+inline void attn_res_add_rmsnorm(const AttnResArgs& a, const Options& o = {}) {
+  run(AttnResOp::attn_res_add_rmsnorm, a, o);
+}
+inline void attn_res_add_rmsnorm_persistent(const AttnResArgs& a, const Options& o = {}) {
+  run(AttnResOp::attn_res_add_rmsnorm_persistent, a, o);
+}
+
+// Supported range (ops.md): beyond it every call is rejected, never computed.
+constexpr int64_t kMaxCandidates = 16;
+constexpr int64_t kMaxHidden = 16384;
+constexpr int64_t kHiddenMultiple = 8;
+
+}  // namespace attnres

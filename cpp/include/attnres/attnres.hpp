@@ -1,0 +1,8 @@
+// Umbrella header of the attnres C++ library.
+#pragma once
+
+#include "attnres/attn_res.hpp"
+#include "attnres/device.hpp"
+#include "attnres/error.hpp"
+#include "attnres/tensor.hpp"
+#include "attnres/version.hpp"

@@ -1,0 +1,20 @@
+// The backends behind run(): the CPU reference backend (always built) and the CUDA kernels (built when
+// CUDA is found). Only run.cpp and device.cpp call these.
+#pragma once
+
+#include "attnres/attn_res.hpp"
+#include "attnres/device.hpp"
+
+namespace attnres::detail {
+
+// CPU backend: the whole contract, fp32 arithmetic with the contract's rounding boundaries.
+void cpu_attn_res(AttnResOp op, const AttnResArgs& args);
+
+#if ATTNRES_WITH_CUDA
+int cuda_device_count();
+DeviceInfo cuda_query_device(int index);
+// Launches the per-token kernel `plan` chose on args.stream. Throws CudaError on a failed launch.
+void cuda_attn_res(AttnResOp op, const AttnResArgs& args, const Plan& plan);
+#endif
+
+}  // namespace attnres::detail

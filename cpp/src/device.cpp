@@ -1,0 +1,50 @@
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "attnres/device.hpp"
+#include "attnres/error.hpp"
+#include "attnres/version.hpp"
+#include "backend.hpp"
+
+namespace attnres {
+
+bool cuda_backend_built() { return ATTNRES_WITH_CUDA != 0; }
+
+int cuda_device_count() {
+#if ATTNRES_WITH_CUDA
+  return detail::cuda_device_count();
+#else
+  return 0;
+#endif
+}
+
+DeviceInfo query_device(Device device) {
+  DeviceInfo info;
+  info.device = device;
+  info.cuda_backend = cuda_backend_built();
+  if (device.type == DeviceType::cpu) {
+    info.name = "cpu";
+    return info;
+  }
+#if ATTNRES_WITH_CUDA
+  // Device properties do not change during a process: query once per device, outside the hot path.
+  static std::mutex mutex;
+  static std::unordered_map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(device.index);
+  if (it != cache.end()) return it->second;
+  const int count = detail::cuda_device_count();
+  if (device.index < 0 || device.index >= count)
+    throw ArgumentError("attnres: " + device_name(device) + " does not exist (" + std::to_string(count) +
+                        " CUDA devices visible)");
+  info = detail::cuda_query_device(device.index);
+  cache.emplace(device.index, info);
+  return info;
+#else
+  info.name = "cuda (not built)";
+  return info;
+#endif
+}
+
+}  // namespace attnres

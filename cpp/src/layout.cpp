@@ -1,0 +1,43 @@
+#include "layout.hpp"
+
+#include <algorithm>
+#include <array>
+
+namespace attnres::detail {
+
+bool non_overlapping(const TensorRef& t) {
+  if (t.numel() <= 1) return true;
+  std::array<int, kMaxRank> order{};
+  int n = 0;
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] > 1) order[n++] = i;
+  std::sort(order.begin(), order.begin() + n, [&](int x, int y) { return t.strides[x] < t.strides[y]; });
+  int64_t extent = 1;  // elements spanned by the dimensions already placed
+  for (int k = 0; k < n; ++k) {
+    const int d = order[k];
+    if (t.strides[d] < extent) return false;
+    extent = t.strides[d] * (t.shape[d] - 1) + extent;
+  }
+  return true;
+}
+
+bool overlaps(const TensorRef& a, const TensorRef& b) {
+  uintptr_t alo, ahi, blo, bhi;
+  a.byte_range(alo, ahi);
+  b.byte_range(blo, bhi);
+  if (alo == ahi || blo == bhi) return false;
+  return alo < bhi && blo < ahi;
+}
+
+TensorRef snapshot_rows(const TensorRef& bank, int64_t slot) {
+  TensorRef rows = bank;
+  rows.ndim = 2;
+  rows.shape[0] = bank.shape[1];
+  rows.shape[1] = bank.shape[2];
+  rows.strides[0] = bank.strides[1];
+  rows.strides[1] = bank.strides[2];
+  rows.data = static_cast<char*>(bank.data) + slot * bank.strides[0] * dtype_size(bank.dtype);
+  return rows;
+}
+
+}  // namespace attnres::detail

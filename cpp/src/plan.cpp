@@ -1,0 +1,150 @@
+// The one place the kernel is chosen: a pure function of the call's shape, the device and the options.
+// The numbers below come from measurements on the H200 (docs/performance.md); tests pin the table.
+#include <algorithm>
+#include <string>
+
+#include "attnres/attn_res.hpp"
+#include "attnres/error.hpp"
+#include "plan_tuning.hpp"
+
+namespace attnres {
+
+const char* op_name(AttnResOp op) {
+  switch (op) {
+    case AttnResOp::attn_res: return "attn_res";
+    case AttnResOp::attn_res_rmsnorm: return "attn_res_rmsnorm";
+    case AttnResOp::attn_res_add_rmsnorm: return "attn_res_add_rmsnorm";
+    case AttnResOp::attn_res_add_rmsnorm_persistent: return "attn_res_add_rmsnorm_persistent";
+  }
+  return "unknown_op";
+}
+
+const char* kernel_name(KernelKind kernel) {
+  switch (kernel) {
+    case KernelKind::automatic: return "auto";
+    case KernelKind::cpu: return "cpu";
+    case KernelKind::single_cta: return "single_cta";
+    case KernelKind::split_k: return "split_k";
+    case KernelKind::persistent: return "persistent";
+  }
+  return "unknown_kernel";
+}
+
+const char* topology_name(Topology topology) {
+  switch (topology) {
+    case Topology::per_token: return "per_token";
+    case Topology::persistent: return "persistent";
+    case Topology::split: return "split";
+  }
+  return "unknown_topology";
+}
+
+namespace {
+
+Plan declined(std::string reason) {
+  Plan p;
+  p.decline = std::move(reason);
+  return p;
+}
+
+int32_t round_up(int64_t v, int64_t m) { return static_cast<int32_t>((v + m - 1) / m * m); }
+
+int32_t candidate_bucket(int64_t n) {
+  for (int32_t b : tuning::kCandidateBuckets)
+    if (n <= b) return b;
+  return tuning::kCandidateBuckets[tuning::kNumCandidateBuckets - 1];
+}
+
+bool routes_to_persistent(const PlanQuery& q, const Options& o) {
+  if (q.op == AttnResOp::attn_res_add_rmsnorm_persistent) return true;
+  if (q.op == AttnResOp::attn_res) return false;  // only the per-token kernels emit the fp32 diagnostics
+  if (o.kernel == KernelKind::persistent) return true;
+  if (o.kernel == KernelKind::single_cta || o.kernel == KernelKind::split_k) return false;
+  if (o.topology == Topology::persistent) return true;
+  if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
+  return false;
+}
+
+// The persistent kernel streams rows for whole tokens and writes updated + output only.
+std::string persistent_decline(const PlanQuery& q) {
+  if (q.add2)
+    return "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
+           "layer_residual_add2 and call the one-addend op";
+  if (q.tap) return "the persistent kernel does not emit the pre-norm mixture tap";
+  if (q.snapshot) return "the persistent kernel does not write snapshot rows";
+  return {};
+}
+
+}  // namespace
+
+Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+  if (o.split_max_tokens < 0)
+    throw ArgumentError(std::string(op_name(q.op)) + ": options.split_max_tokens must be >= 0");
+  if (o.cluster < 0 || o.cluster > tuning::kMaxCluster)
+    throw ArgumentError(std::string(op_name(q.op)) + ": options.cluster must be in [0, " +
+                        std::to_string(tuning::kMaxCluster) + "], got " + std::to_string(o.cluster));
+
+  const bool persistent = routes_to_persistent(q, o);
+  // The add2 decline is a property of the topology, on every backend, so the caller's materialize-first
+  // path is the same (and testable) on the CPU.
+  if (persistent) {
+    std::string why = persistent_decline(q);
+    if (!why.empty()) return declined(why);
+  }
+
+  if (dev.device.type == DeviceType::cpu) {
+    if (o.kernel != KernelKind::automatic && o.kernel != KernelKind::cpu)
+      return declined(std::string("kernel ") + kernel_name(o.kernel) + " runs on CUDA devices; the tensors are on cpu");
+    Plan p;
+    p.kernel = KernelKind::cpu;
+    return p;
+  }
+
+  if (!dev.cuda_backend) return declined("attnres was built without the CUDA backend");
+  if (dev.cc_major < 9)
+    return declined(device_name(dev.device) + " (" + dev.name + ") has compute capability " +
+                    std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor) +
+                    "; the CUDA kernels need 9.0 (Hopper) or newer");
+  if (o.kernel == KernelKind::cpu) return declined("kernel cpu runs on CPU tensors; the tensors are on " +
+                                                   device_name(dev.device));
+  if (q.tokens > tuning::kMaxTokensPerLaunch)
+    return declined("T = " + std::to_string(q.tokens) + " exceeds the per-launch limit of " +
+                    std::to_string(tuning::kMaxTokensPerLaunch) + " tokens");
+
+  if (persistent) return declined("the persistent kernel is not part of this build yet");
+
+  const int64_t vecs = q.hidden / 8;  // 16-byte vectors per row
+  const bool single_fits =
+      vecs <= tuning::kSingleCtaMaxThreads && q.candidates <= tuning::kSingleCtaMaxCandidates;
+  KernelKind kernel = o.kernel;
+  if (kernel == KernelKind::automatic)
+    kernel = (single_fits && tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden)) ? KernelKind::single_cta
+                                                                                        : KernelKind::split_k;
+  if (kernel == KernelKind::single_cta && !single_fits)
+    return declined("single_cta holds a token's rows in one block's registers: it needs H <= " +
+                    std::to_string(tuning::kSingleCtaMaxThreads * 8) + " and N <= " +
+                    std::to_string(tuning::kSingleCtaMaxCandidates) + " (use split_k)");
+
+  Plan p;
+  p.kernel = kernel;
+  p.pdl = o.pdl;
+  p.vectors = 1;
+  p.max_candidates = candidate_bucket(q.candidates);
+  if (kernel == KernelKind::single_cta) {
+    p.cluster = 1;
+    p.threads = round_up(vecs, 32);
+  } else {
+    int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
+    cluster = static_cast<int32_t>(std::min<int64_t>(cluster, vecs));  // every block owns >= 1 vector
+    p.cluster = std::max(cluster, 1);
+    p.threads = round_up((vecs + p.cluster - 1) / p.cluster, 32);
+    if (p.threads > tuning::kSplitKMaxThreads)
+      return declined("split_k with a cluster of " + std::to_string(p.cluster) + " needs " +
+                      std::to_string(p.threads) + " threads per block for H = " + std::to_string(q.hidden) +
+                      " (the kernel is built for <= " + std::to_string(tuning::kSplitKMaxThreads) +
+                      "): use a larger cluster");
+  }
+  return p;
+}
+
+}  // namespace attnres

@@ -1,0 +1,97 @@
+#include "attnres/tensor.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "attnres/error.hpp"
+
+namespace attnres {
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return "bfloat16";
+    case DType::f32: return "float32";
+    case DType::i32: return "int32";
+    case DType::f16: return "float16";
+    case DType::f64: return "float64";
+    case DType::i64: return "int64";
+    case DType::u8: return "uint8";
+    case DType::other: return "an unsupported dtype";
+  }
+  return "an unsupported dtype";
+}
+
+int64_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return 2;
+    case DType::f32: return 4;
+    case DType::i32: return 4;
+    case DType::f16: return 2;
+    case DType::f64: return 8;
+    case DType::i64: return 8;
+    case DType::u8: return 1;
+    case DType::other: return 1;
+  }
+  return 1;
+}
+
+std::string device_name(Device device) {
+  if (device.type == DeviceType::cpu) return "cpu";
+  return "cuda:" + std::to_string(device.index);
+}
+
+int64_t TensorRef::numel() const {
+  if (!present()) return 0;
+  int64_t n = 1;
+  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  return n;
+}
+
+void TensorRef::byte_range(uintptr_t& lo, uintptr_t& hi) const {
+  lo = hi = 0;
+  if (!present() || numel() == 0) return;
+  // Strides are validated non-negative before ranges are compared, so the first element is the lowest.
+  int64_t last = 0;
+  for (int i = 0; i < ndim; ++i) last += (shape[i] - 1) * strides[i];
+  lo = reinterpret_cast<uintptr_t>(data);
+  hi = lo + static_cast<uintptr_t>((last + 1) * dtype_size(dtype));
+}
+
+static std::string list_string(const int64_t* v, int n) {
+  std::ostringstream os;
+  os << '[';
+  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << v[i];
+  os << ']';
+  return os.str();
+}
+
+std::string TensorRef::shape_string() const { return list_string(shape, ndim < 0 ? 0 : ndim); }
+std::string TensorRef::strides_string() const { return list_string(strides, ndim < 0 ? 0 : ndim); }
+
+TensorRef make_ref(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape,
+                   std::initializer_list<int64_t> strides) {
+  if (shape.size() > static_cast<size_t>(kMaxRank))
+    throw ArgumentError("make_ref: rank " + std::to_string(shape.size()) + " exceeds the maximum of " +
+                        std::to_string(kMaxRank));
+  if (strides.size() != 0 && strides.size() != shape.size())
+    throw ArgumentError("make_ref: " + std::to_string(strides.size()) + " strides given for rank " +
+                        std::to_string(shape.size()));
+  TensorRef t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.ndim = static_cast<int32_t>(shape.size());
+  std::copy(shape.begin(), shape.end(), t.shape);
+  if (strides.size() == 0) {
+    int64_t stride = 1;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      t.strides[d] = stride;
+      stride *= t.shape[d];
+    }
+  } else {
+    std::copy(strides.begin(), strides.end(), t.strides);
+  }
+  return t;
+}
+
+}  // namespace attnres

@@ -1,0 +1,264 @@
+// Preconditions of the attention-residual ops, checked in one place for every backend, before anything
+// runs. Messages: "<op>: <argument> <rule>" (docs/ops/*.md lists each one with its test).
+#include <cmath>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attnres/attn_res.hpp"
+#include "attnres/error.hpp"
+#include "layout.hpp"
+
+namespace attnres {
+
+namespace {
+
+enum class Use { refused, optional, required };
+
+struct OpTable {
+  Use add, add2, norm_weight, updated, mixture, diagnostics, snapshot;
+};
+
+OpTable op_table(AttnResOp op) {
+  switch (op) {
+    case AttnResOp::attn_res:
+      return {Use::refused, Use::refused, Use::refused, Use::refused, Use::refused, Use::optional,
+              Use::refused};
+    case AttnResOp::attn_res_rmsnorm:
+      return {Use::refused, Use::refused, Use::required, Use::refused, Use::optional, Use::refused,
+              Use::refused};
+    case AttnResOp::attn_res_add_rmsnorm:
+      return {Use::required, Use::optional, Use::required, Use::required, Use::optional, Use::refused,
+              Use::optional};
+    case AttnResOp::attn_res_add_rmsnorm_persistent:
+      // updated is required exactly when the add is given (checked below).
+      return {Use::optional, Use::refused, Use::required, Use::optional, Use::refused, Use::refused,
+              Use::refused};
+  }
+  throw ArgumentError("attnres: unknown op " + std::to_string(static_cast<int>(op)));
+}
+
+class Checker {
+ public:
+  explicit Checker(AttnResOp op) : op_(op_name(op)) {}
+
+  [[noreturn]] void fail(const std::string& arg, const std::string& rule) const {
+    throw ArgumentError(op_ + ": " + arg + " " + rule);
+  }
+
+  void presence(const char* arg, const TensorRef& t, Use use, bool require_outputs = true) const {
+    if (use == Use::refused && t.present()) fail(arg, "is not an argument of this op");
+    if (use == Use::required && !t.present() && require_outputs) fail(arg, "is required");
+  }
+
+  void dtype(const char* arg, const TensorRef& t, DType want) const {
+    if (t.dtype != want)
+      fail(arg, std::string("must be ") + dtype_name(want) + ", got " + dtype_name(t.dtype));
+  }
+
+  // Rank and exact shape; `want` entries < 0 match anything.
+  void shape(const char* arg, const TensorRef& t, const std::vector<int64_t>& want, const char* pattern) const {
+    if (t.ndim != static_cast<int>(want.size()))
+      fail(arg, "must be a " + std::to_string(want.size()) + "-D " + pattern + " tensor, got " +
+                    std::to_string(t.ndim) + " dimensions " + t.shape_string());
+    for (size_t i = 0; i < want.size(); ++i)
+      if (want[i] >= 0 && t.shape[i] != want[i]) fail(arg, std::string("must have shape ") + pattern + " = " +
+                                                                 expected(want) + ", got " + t.shape_string());
+  }
+
+  void layout(const char* arg, const TensorRef& t) const {
+    for (int i = 0; i < t.ndim; ++i)
+      if (t.strides[i] < 0) fail(arg, "has a negative stride " + t.strides_string());
+    if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
+      fail(arg, "must have a contiguous last dimension (stride 1), got strides " + t.strides_string());
+    if (!detail::non_overlapping(t))
+      fail(arg, "has an overlapping layout (shape " + t.shape_string() + ", strides " + t.strides_string() +
+                    "): every element must have its own address");
+    if (t.numel() > 0 && t.data == nullptr) fail(arg, "has a null data pointer");
+  }
+
+  void device(const char* arg, const TensorRef& t, Device want, const char* ref_arg) const {
+    if (t.device != want)
+      fail(arg, "is on " + device_name(t.device) + " but " + ref_arg + " is on " + device_name(want) +
+                    " (all tensors must be on one device)");
+  }
+
+  void eps(const char* arg, double v) const {
+    if (!std::isfinite(v) || v < 0) fail(arg, "must be finite and >= 0, got " + std::to_string(v));
+  }
+
+  // CUDA kernels read and write 16-byte vectors (8 x bf16): base pointer and every outer stride aligned.
+  void aligned16(const char* arg, const TensorRef& t) const {
+    if (!t.present() || t.numel() == 0) return;
+    bool ok = reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+    for (int i = 0; i + 1 < t.ndim; ++i)
+      if (t.shape[i] > 1 && (t.strides[i] * dtype_size(t.dtype)) % 16 != 0) ok = false;
+    if (!ok)
+      fail(arg, "must be 16-byte aligned for the CUDA kernels (base pointer and outer strides a multiple of "
+                "16 bytes), got strides " + t.strides_string());
+  }
+
+ private:
+  static std::string expected(const std::vector<int64_t>& want) {
+    std::string s = "[";
+    for (size_t i = 0; i < want.size(); ++i) s += (i ? ", " : "") + (want[i] < 0 ? std::string("*") : std::to_string(want[i]));
+    return s + "]";
+  }
+  std::string op_;
+};
+
+struct Named {
+  const char* name;
+  const TensorRef* ref;
+};
+
+}  // namespace
+
+void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
+  const OpTable use = op_table(op);
+  const Checker c(op);
+
+  // 1. Which arguments the op takes.
+  if (a.layer_residual_add2.present() && !a.layer_residual_add.present())
+    c.fail("layer_residual_add2", "requires layer_residual_add");
+  c.presence("layer_residual", a.layer_residual, Use::required);
+  c.presence("layer_residual_add", a.layer_residual_add, use.add);
+  c.presence("layer_residual_add2", a.layer_residual_add2, use.add2);
+  c.presence("block_residual", a.block_residual, Use::required);
+  c.presence("res_weight", a.res_weight, Use::required);
+  c.presence("rms_weight", a.rms_weight, Use::required);
+  c.presence("norm_weight", a.norm_weight, use.norm_weight);
+  c.presence("output", a.output, Use::required, require_outputs);
+  const bool has_add = a.layer_residual_add.present();
+  const Use updated_use =
+      op == AttnResOp::attn_res_add_rmsnorm_persistent ? (has_add ? Use::required : Use::refused) : use.updated;
+  if (op == AttnResOp::attn_res_add_rmsnorm_persistent && !has_add && a.updated.present())
+    c.fail("updated", "is only produced with layer_residual_add");
+  c.presence("updated", a.updated, updated_use, require_outputs);
+  c.presence("mixture", a.mixture, use.mixture);
+  c.presence("rsigma", a.rsigma, use.diagnostics);
+  c.presence("probs", a.probs, use.diagnostics);
+  c.presence("logits", a.logits, use.diagnostics);
+  if (a.snapshot_slot != -1 && use.snapshot == Use::refused)
+    c.fail("snapshot_slot", "is not an argument of this op");
+
+  // 2. Ranks and sizes: T and H come from layer_residual, K from block_residual.
+  const TensorRef& lr = a.layer_residual;
+  c.shape("layer_residual", lr, {-1, -1}, "[T, H]");
+  const int64_t T = lr.shape[0], H = lr.shape[1];
+  if (T < 1) c.fail("layer_residual", "must hold T >= 1 tokens, got shape " + lr.shape_string());
+  if (H < kHiddenMultiple || H > kMaxHidden || H % kHiddenMultiple != 0)
+    c.fail("layer_residual", "hidden size H = " + std::to_string(H) + " must be a multiple of 8 in [8, " +
+                                 std::to_string(kMaxHidden) + "]");
+  c.shape("block_residual", a.block_residual, {-1, T, H}, "[K, T, H]");
+  const int64_t K = a.block_residual.shape[0];
+  const int64_t N = K + 1;
+  if (N > kMaxCandidates)
+    c.fail("block_residual", "holds K = " + std::to_string(K) + " snapshots: N = K + 1 must be in [1, " +
+                                 std::to_string(kMaxCandidates) + "]");
+
+  std::vector<Named> inputs = {{"layer_residual", &a.layer_residual},
+                               {"layer_residual_add", &a.layer_residual_add},
+                               {"layer_residual_add2", &a.layer_residual_add2},
+                               {"block_residual", &a.block_residual},
+                               {"res_weight", &a.res_weight},
+                               {"rms_weight", &a.rms_weight},
+                               {"norm_weight", &a.norm_weight}};
+  std::vector<Named> outputs = {{"output", &a.output},   {"updated", &a.updated}, {"mixture", &a.mixture},
+                                {"rsigma", &a.rsigma},   {"probs", &a.probs},     {"logits", &a.logits}};
+
+  for (const Named& in : {inputs[1], inputs[2]})
+    if (in.ref->present()) c.shape(in.name, *in.ref, {T, H}, "[T, H]");
+  for (const Named& w : {inputs[4], inputs[5], inputs[6]}) {
+    if (!w.ref->present()) continue;
+    if (w.ref->ndim == 2 && w.ref->shape[0] == 1)
+      c.shape(w.name, *w.ref, {1, H}, "[1, H]");
+    else
+      c.shape(w.name, *w.ref, {H}, "[H]");
+  }
+  for (int i = 0; i < 3; ++i)
+    if (outputs[i].ref->present()) c.shape(outputs[i].name, *outputs[i].ref, {T, H}, "[T, H]");
+  for (int i = 3; i < 6; ++i)
+    if (outputs[i].ref->present()) c.shape(outputs[i].name, *outputs[i].ref, {N, T}, "[N, T]");
+
+  // 3. Dtypes.
+  for (const Named& in : inputs)
+    if (in.ref->present()) c.dtype(in.name, *in.ref, DType::bf16);
+  for (int i = 0; i < 3; ++i)
+    if (outputs[i].ref->present()) c.dtype(outputs[i].name, *outputs[i].ref, DType::bf16);
+  for (int i = 3; i < 6; ++i)
+    if (outputs[i].ref->present()) c.dtype(outputs[i].name, *outputs[i].ref, DType::f32);
+
+  // 4. One device for everything.
+  const Device dev = lr.device;
+  for (const std::vector<Named>* group : {&inputs, &outputs})
+    for (const Named& t : *group)
+      if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
+
+  // 5. Layouts: innermost stride 1, non-negative strides, no element shared by two indices.
+  for (const std::vector<Named>* group : {&inputs, &outputs})
+    for (const Named& t : *group)
+      if (t.ref->present()) c.layout(t.name, *t.ref);
+
+  // 6. Scalars.
+  c.eps("rms_eps", a.rms_eps);
+  if (use.norm_weight != Use::refused) c.eps("norm_eps", a.norm_eps);
+
+  // 7. The snapshot row: outside the candidates, inside a non-overlapping bank layout.
+  TensorRef snapshot_rows;
+  if (a.snapshot_slot != -1) {
+    if (a.snapshot_slot < 0)
+      c.fail("snapshot_slot", "must be -1 (no snapshot) or a row index >= K, got " + std::to_string(a.snapshot_slot));
+    if (a.snapshot_slot < K)
+      c.fail("snapshot_slot", std::to_string(a.snapshot_slot) + " is a candidate of this call (must be >= K = " +
+                                  std::to_string(K) + ")");
+    if (a.snapshot_slot > (int64_t{1} << 30)) c.fail("snapshot_slot", "is out of range");
+    if (a.block_residual.data == nullptr) c.fail("snapshot_slot", "needs a block_residual data pointer");
+    TensorRef bank = a.block_residual;
+    bank.shape[0] = a.snapshot_slot + 1;
+    if (!detail::non_overlapping(bank))
+      c.fail("snapshot_slot", std::to_string(a.snapshot_slot) +
+                                  " would overlap the candidate rows of block_residual (strides " +
+                                  a.block_residual.strides_string() + ")");
+    snapshot_rows = detail::snapshot_rows(a.block_residual, a.snapshot_slot);
+  }
+
+  // 8. Outputs (and the snapshot row) alias neither inputs nor each other.
+  std::vector<Named> written = outputs;
+  if (snapshot_rows.present()) written.push_back({"snapshot row", &snapshot_rows});
+  for (size_t i = 0; i < written.size(); ++i) {
+    if (!written[i].ref->present()) continue;
+    for (const Named& in : inputs) {
+      if (!in.ref->present()) continue;
+      if (written[i].ref == &snapshot_rows && in.ref == &a.block_residual) continue;  // checked in 7
+      if (detail::overlaps(*written[i].ref, *in.ref))
+        c.fail(written[i].name, std::string("overlaps ") + in.name + " (outputs must not alias inputs)");
+    }
+    for (size_t j = 0; j < i; ++j)
+      if (written[j].ref->present() && detail::overlaps(*written[i].ref, *written[j].ref))
+        c.fail(written[i].name, std::string("overlaps ") + written[j].name + " (outputs must not alias each other)");
+  }
+
+  // 9. Kernel layout rules on CUDA: every bf16 tensor is read or written in 16-byte vectors.
+  if (dev.type == DeviceType::cuda) {
+    for (const Named& in : inputs) c.aligned16(in.name, *in.ref);
+    for (int i = 0; i < 3; ++i) c.aligned16(outputs[i].name, *outputs[i].ref);
+    if (snapshot_rows.present()) c.aligned16("snapshot row", snapshot_rows);
+  }
+}
+
+PlanQuery plan_query(AttnResOp op, const AttnResArgs& a) {
+  PlanQuery q;
+  q.op = op;
+  q.tokens = a.layer_residual.shape[0];
+  q.hidden = a.layer_residual.shape[1];
+  q.candidates = a.block_residual.shape[0] + 1;
+  q.add = a.layer_residual_add.present();
+  q.add2 = a.layer_residual_add2.present();
+  q.tap = a.mixture.present();
+  q.snapshot = a.snapshot_slot != -1;
+  q.diagnostics = a.rsigma.present() || a.probs.present() || a.logits.present();
+  return q;
+}
+
+}  // namespace attnres

@@ -1,0 +1,66 @@
+"""attnres.plan(): which kernel a call would take, or why it is declined, without running it.
+
+The plan is the library's own pure function of (device, op, T, N, H, outputs, options); the model layer
+uses it to decide between the fused path and materializing first (e.g. the persistent kernel declines
+layer_residual_add2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _C
+from .options import DEFAULT, Options
+
+OPS = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
+
+
+@dataclass(frozen=True)
+class PlanInfo:
+    kernel: str | None  # "cpu", "single_cta", "split_k", "persistent"; None when declined
+    decline: str | None  # the reason, when declined
+    cluster: int = 1
+    threads: int = 0
+    max_candidates: int = 0
+    pdl: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.decline is None
+
+
+def _device_info(device) -> _C.DeviceInfo:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return _C.query_device(_C.DeviceType.cpu, 0)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        return _C.query_device(_C.DeviceType.cuda, index)
+    raise ValueError(f"attnres.plan: device {device} is not supported (cpu or cuda)")
+
+
+def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", add: bool = False,
+         add2: bool = False, tap: bool = False, snapshot: bool = False, diagnostics: bool = False,
+         options: Options | None = None) -> PlanInfo:
+    """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device`."""
+    if op not in OPS:
+        raise ValueError(f"attnres.plan: op must be one of {OPS}, got {op!r}")
+    q = _C.PlanQuery()
+    q.op = getattr(_C.AttnResOp, op)
+    q.tokens, q.candidates, q.hidden = int(tokens), int(candidates), int(hidden)
+    q.add, q.add2, q.tap, q.snapshot, q.diagnostics = bool(add), bool(add2), bool(tap), bool(snapshot), bool(diagnostics)
+    p = _C.plan_query(q, _device_info(device), (options or DEFAULT).to_c())
+    if not p.accepted:
+        return PlanInfo(kernel=None, decline=p.decline)
+    return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
+                    max_candidates=p.max_candidates, pdl=p.pdl)
+
+
+def backend_info() -> dict:
+    """What this build and machine offer: the CUDA backend, the devices it sees, their capability."""
+    info = {"version": _C.__version__, "cuda_backend": _C.cuda_backend_built(), "cuda_devices": []}
+    for i in range(_C.cuda_device_count()):
+        d = _C.query_device(_C.DeviceType.cuda, i)
+        info["cuda_devices"].append({"index": i, "name": d.name, "cc": f"{d.cc_major}.{d.cc_minor}", "sms": d.sm_count})
+    return info

@@ -1,0 +1,163 @@
+// attnres._C: the C++ API as Python objects. No logic beyond conversion: tensors arrive as TensorRef
+// (pointer, dtype, device, shape, strides as integers, built by attnres/_tensors.py), so no DLPack import
+// runs in the call path and nothing synchronizes a stream (graph capture stays legal).
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "attnres/attnres.hpp"
+
+namespace nb = nanobind;
+using namespace attnres;
+
+namespace {
+
+TensorRef make_tensor_ref(uintptr_t data, DType dtype, DeviceType device_type, int32_t device_index,
+                          const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+  if (shape.size() > static_cast<size_t>(kMaxRank))
+    throw ArgumentError("attnres: tensors of rank " + std::to_string(shape.size()) + " are not supported (max " +
+                        std::to_string(kMaxRank) + ")");
+  if (strides.size() != shape.size()) throw ArgumentError("attnres: shape and strides differ in length");
+  TensorRef t;
+  t.data = reinterpret_cast<void*>(data);
+  t.dtype = dtype;
+  t.device = Device{device_type, device_index};
+  t.ndim = static_cast<int32_t>(shape.size());
+  for (size_t i = 0; i < shape.size(); ++i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = strides[i];
+  }
+  return t;
+}
+
+std::vector<int64_t> dims(const int64_t* v, int n) { return std::vector<int64_t>(v, v + (n < 0 ? 0 : n)); }
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "attnres C++ library bindings (internal: use the attnres package)";
+  m.attr("__version__") = ATTNRES_VERSION;
+  // The Python package keeps module-lifetime references to these types (torch.library registrations hold
+  // its functions until interpreter exit), which nanobind's shutdown check would report as leaks.
+  nb::set_leak_warnings(false);
+
+  nb::exception<Error>(m, "Error", PyExc_RuntimeError);
+  nb::exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
+  nb::exception<UnsupportedError>(m, "UnsupportedError", PyExc_RuntimeError);
+  nb::exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+
+  nb::enum_<DType>(m, "DType")
+      .value("bf16", DType::bf16)
+      .value("f32", DType::f32)
+      .value("i32", DType::i32)
+      .value("f16", DType::f16)
+      .value("f64", DType::f64)
+      .value("i64", DType::i64)
+      .value("u8", DType::u8)
+      .value("other", DType::other);
+  nb::enum_<DeviceType>(m, "DeviceType").value("cpu", DeviceType::cpu).value("cuda", DeviceType::cuda);
+  nb::enum_<AttnResOp>(m, "AttnResOp")
+      .value("attn_res", AttnResOp::attn_res)
+      .value("attn_res_rmsnorm", AttnResOp::attn_res_rmsnorm)
+      .value("attn_res_add_rmsnorm", AttnResOp::attn_res_add_rmsnorm)
+      .value("attn_res_add_rmsnorm_persistent", AttnResOp::attn_res_add_rmsnorm_persistent);
+  nb::enum_<Topology>(m, "Topology")
+      .value("per_token", Topology::per_token)
+      .value("persistent", Topology::persistent)
+      .value("split", Topology::split);
+  nb::enum_<KernelKind>(m, "KernelKind")
+      .value("auto", KernelKind::automatic)
+      .value("cpu", KernelKind::cpu)
+      .value("single_cta", KernelKind::single_cta)
+      .value("split_k", KernelKind::split_k)
+      .value("persistent", KernelKind::persistent);
+
+  nb::class_<TensorRef>(m, "TensorRef")
+      .def(nb::init<>())
+      .def("__init__",
+           [](TensorRef* self, uintptr_t data, DType dtype, DeviceType device_type, int32_t device_index,
+              const std::vector<int64_t>& shape, const std::vector<int64_t>& strides) {
+             new (self) TensorRef(make_tensor_ref(data, dtype, device_type, device_index, shape, strides));
+           },
+           nb::arg("data"), nb::arg("dtype"), nb::arg("device_type"), nb::arg("device_index"), nb::arg("shape"),
+           nb::arg("strides"))
+      .def_prop_ro("present", &TensorRef::present)
+      .def_prop_ro("shape", [](const TensorRef& t) { return dims(t.shape, t.ndim); })
+      .def_prop_ro("strides", [](const TensorRef& t) { return dims(t.strides, t.ndim); })
+      .def_prop_ro("data", [](const TensorRef& t) { return reinterpret_cast<uintptr_t>(t.data); });
+
+  nb::class_<AttnResArgs>(m, "AttnResArgs")
+      .def(nb::init<>())
+      .def_rw("layer_residual", &AttnResArgs::layer_residual)
+      .def_rw("layer_residual_add", &AttnResArgs::layer_residual_add)
+      .def_rw("layer_residual_add2", &AttnResArgs::layer_residual_add2)
+      .def_rw("block_residual", &AttnResArgs::block_residual)
+      .def_rw("res_weight", &AttnResArgs::res_weight)
+      .def_rw("rms_weight", &AttnResArgs::rms_weight)
+      .def_rw("norm_weight", &AttnResArgs::norm_weight)
+      .def_rw("rms_eps", &AttnResArgs::rms_eps)
+      .def_rw("norm_eps", &AttnResArgs::norm_eps)
+      .def_rw("output", &AttnResArgs::output)
+      .def_rw("updated", &AttnResArgs::updated)
+      .def_rw("mixture", &AttnResArgs::mixture)
+      .def_rw("rsigma", &AttnResArgs::rsigma)
+      .def_rw("probs", &AttnResArgs::probs)
+      .def_rw("logits", &AttnResArgs::logits)
+      .def_rw("snapshot_slot", &AttnResArgs::snapshot_slot)
+      .def_prop_rw(
+          "stream", [](const AttnResArgs& a) { return reinterpret_cast<uintptr_t>(a.stream); },
+          [](AttnResArgs& a, uintptr_t s) { a.stream = reinterpret_cast<void*>(s); });
+
+  nb::class_<Options>(m, "Options")
+      .def(nb::init<>())
+      .def_rw("topology", &Options::topology)
+      .def_rw("split_max_tokens", &Options::split_max_tokens)
+      .def_rw("pdl", &Options::pdl)
+      .def_rw("kernel", &Options::kernel)
+      .def_rw("cluster", &Options::cluster);
+
+  nb::class_<PlanQuery>(m, "PlanQuery")
+      .def(nb::init<>())
+      .def_rw("op", &PlanQuery::op)
+      .def_rw("tokens", &PlanQuery::tokens)
+      .def_rw("candidates", &PlanQuery::candidates)
+      .def_rw("hidden", &PlanQuery::hidden)
+      .def_rw("add", &PlanQuery::add)
+      .def_rw("add2", &PlanQuery::add2)
+      .def_rw("tap", &PlanQuery::tap)
+      .def_rw("snapshot", &PlanQuery::snapshot)
+      .def_rw("diagnostics", &PlanQuery::diagnostics);
+
+  nb::class_<Plan>(m, "Plan")
+      .def_ro("kernel", &Plan::kernel)
+      .def_ro("decline", &Plan::decline)
+      .def_ro("cluster", &Plan::cluster)
+      .def_ro("threads", &Plan::threads)
+      .def_ro("vectors", &Plan::vectors)
+      .def_ro("max_candidates", &Plan::max_candidates)
+      .def_ro("pdl", &Plan::pdl)
+      .def_prop_ro("accepted", &Plan::accepted);
+
+  nb::class_<DeviceInfo>(m, "DeviceInfo")
+      .def_prop_ro("device_type", [](const DeviceInfo& d) { return d.device.type; })
+      .def_prop_ro("device_index", [](const DeviceInfo& d) { return d.device.index; })
+      .def_ro("cuda_backend", &DeviceInfo::cuda_backend)
+      .def_ro("cc_major", &DeviceInfo::cc_major)
+      .def_ro("cc_minor", &DeviceInfo::cc_minor)
+      .def_ro("sm_count", &DeviceInfo::sm_count)
+      .def_ro("name", &DeviceInfo::name);
+
+  m.def("cuda_backend_built", &cuda_backend_built);
+  m.def("cuda_device_count", &cuda_device_count);
+  m.def("query_device", [](DeviceType type, int32_t index) { return query_device(Device{type, index}); });
+  m.def("op_name", [](AttnResOp op) { return std::string(op_name(op)); });
+  m.def("kernel_name", [](KernelKind k) { return std::string(kernel_name(k)); });
+  m.def("validate", &validate, nb::arg("op"), nb::arg("args"), nb::arg("require_outputs") = true);
+  m.def("plan_query", [](const PlanQuery& q, const DeviceInfo& d, const Options& o) { return plan(q, d, o); });
+  m.def("plan_call", [](AttnResOp op, const AttnResArgs& a, const Options& o) { return plan(op, a, o); });
+  // The GIL is released: the CPU backend computes, the CUDA backend only enqueues.
+  m.def("run", &run, nb::arg("op"), nb::arg("args"), nb::arg("options"), nb::call_guard<nb::gil_scoped_release>());
+}
