@@ -1,0 +1,125 @@
+"""Every environment knob of the project, parsed by one set of rules and read once at import, so that CUDA
+graph capture and replay see the same values and a mistyped sweep fails instead of measuring the default.
+
+Grammar (docs/knobs.md):
+* integer knobs: a base-10 integer, optionally signed, surrounded by optional whitespace, nothing else.
+  A non-integer raises KnobError naming the knob, its allowed range and the raw value; an integer outside
+  the range is clamped into it with one logged notice.
+* boolean knobs: exactly "0" or "1" (whitespace around allowed); anything else raises.
+* word knobs: one of the listed words (whitespace around allowed); anything else raises.
+An unset or empty knob takes its default.
+
+The library's C++ layer reads no environment: these values reach it as arguments (Options).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+log = logging.getLogger("attnres.knobs")
+
+_INT = re.compile(r"[+-]?[0-9]+")
+
+
+class KnobError(ValueError):
+    """A knob's value does not follow the grammar."""
+
+
+@dataclass(frozen=True)
+class IntKnob:
+    name: str
+    default: int
+    lo: int
+    hi: int
+    doc: str
+
+    def parse(self, raw: str | None) -> int:
+        if raw is None or raw.strip() == "":
+            return self.default
+        text = raw.strip()
+        if not _INT.fullmatch(text):
+            raise KnobError(f"{self.name}: expected a base-10 integer in [{self.lo}, {self.hi}], got {raw!r}")
+        value = int(text, 10)
+        if value < self.lo or value > self.hi:
+            clamped = min(max(value, self.lo), self.hi)
+            log.warning("%s=%d is outside [%d, %d]; clamped to %d", self.name, value, self.lo, self.hi, clamped)
+            return clamped
+        return value
+
+
+@dataclass(frozen=True)
+class BoolKnob:
+    name: str
+    default: bool
+    doc: str
+
+    def parse(self, raw: str | None) -> bool:
+        if raw is None or raw.strip() == "":
+            return self.default
+        text = raw.strip()
+        if text not in ("0", "1"):
+            raise KnobError(f"{self.name}: expected 0 or 1, got {raw!r}")
+        return text == "1"
+
+
+@dataclass(frozen=True)
+class WordKnob:
+    name: str
+    default: str
+    words: tuple[str, ...]
+    doc: str
+
+    def parse(self, raw: str | None) -> str:
+        if raw is None or raw.strip() == "":
+            return self.default
+        text = raw.strip()
+        if text not in self.words:
+            raise KnobError(f"{self.name}: expected one of {', '.join(self.words)}, got {raw!r}")
+        return text
+
+
+KNOBS = (
+    BoolKnob("KIMI_K3_MOE_TAIL_ADD_FOLD", False,
+             "1: MoE layers defer their tail prefix + (routed + shared) and the next consumer folds it (add2)"),
+    BoolKnob("KIMI_K3_FUSED_ATTN_RES", True, "0: every attention-residual site takes the eager reference path"),
+    IntKnob("KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS", 32, 0, 16384,
+            "per-rank token ceiling of the per-token fused kernels (the fold window; the split topology's ceiling)"),
+    WordKnob("KIMI_K3_ATTN_RES_TOPOLOGY", "per_token", ("per_token", "persistent", "split"),
+             "kernel topology of the fused sites"),
+    BoolKnob("KIMI_K3_AUX_ATTN_RES_STREAM", True, "what a capture tap holds: 1 the pre-norm mixture, 0 the raw prefix"),
+    IntKnob("ATTNRES_MOE_FINALIZE_MAX_TOKENS", 2, 0, 16, "token gate of the fused MoE finalize; 0 disables it"),
+)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    moe_tail_add_fold: bool
+    fused_attn_res: bool
+    fused_attn_res_max_tokens: int
+    attn_res_topology: str
+    aux_attn_res_stream: bool
+    moe_finalize_max_tokens: int
+
+
+_FIELDS = {
+    "KIMI_K3_MOE_TAIL_ADD_FOLD": "moe_tail_add_fold",
+    "KIMI_K3_FUSED_ATTN_RES": "fused_attn_res",
+    "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": "fused_attn_res_max_tokens",
+    "KIMI_K3_ATTN_RES_TOPOLOGY": "attn_res_topology",
+    "KIMI_K3_AUX_ATTN_RES_STREAM": "aux_attn_res_stream",
+    "ATTNRES_MOE_FINALIZE_MAX_TOKENS": "moe_finalize_max_tokens",
+}
+
+
+def load(environ: Mapping[str, str] | None = None) -> Knobs:
+    """Parses every knob from `environ` (default: os.environ). Raises KnobError on the first bad value."""
+    env = os.environ if environ is None else environ
+    return Knobs(**{_FIELDS[k.name]: k.parse(env.get(k.name)) for k in KNOBS})
+
+
+# Read once, at import.
+CURRENT: Knobs = load()

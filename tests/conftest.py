@@ -1,0 +1,40 @@
+"""Shared pytest configuration: which devices the tests run on.
+
+CPU tests always run. CUDA tests run when this build has the CUDA backend and a device of compute
+capability >= 9.0 is visible; otherwise they skip cleanly with the reason.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnres
+
+
+def _cuda_skip_reason() -> str | None:
+    info = attnres.backend_info()
+    if not info["cuda_backend"]:
+        return "attnres was built without the CUDA backend"
+    if not torch.cuda.is_available() or not info["cuda_devices"]:
+        return "no CUDA device visible"
+    major = int(info["cuda_devices"][0]["cc"].split(".")[0])
+    if major < 9:
+        return f"CUDA device has compute capability {info['cuda_devices'][0]['cc']} < 9.0"
+    return None
+
+
+CUDA_SKIP_REASON = _cuda_skip_reason()
+HAS_CUDA = CUDA_SKIP_REASON is None
+
+# Use as a decorator on tests that need the GPU.
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON or "")
+
+# Parametrize a test over every device: params=DEVICES gives "cpu" always and "cuda" (skipping) always, so
+# the GPU cases show up as skipped rather than vanishing on machines without a GPU.
+DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
