@@ -1,17 +1,22 @@
 #include "layout.hpp"
 
-#include <algorithm>
-#include <array>
 
 namespace attnres::detail {
 
 bool non_overlapping(const TensorRef& t) {
   if (t.numel() <= 1) return true;
-  std::array<int, kMaxRank> order{};
+  // Dimensions of size > 1, sorted by stride (insertion sort: at most kMaxRank entries).
+  int order[kMaxRank];
   int n = 0;
-  for (int i = 0; i < t.ndim; ++i)
-    if (t.shape[i] > 1) order[n++] = i;
-  std::sort(order.begin(), order.begin() + n, [&](int x, int y) { return t.strides[x] < t.strides[y]; });
+  for (int i = 0; i < t.ndim && i < kMaxRank; ++i) {
+    if (t.shape[i] <= 1) continue;
+    int k = n++;
+    while (k > 0 && t.strides[order[k - 1]] > t.strides[i]) {
+      order[k] = order[k - 1];
+      --k;
+    }
+    order[k] = i;
+  }
   int64_t extent = 1;  // elements spanned by the dimensions already placed
   for (int k = 0; k < n; ++k) {
     const int d = order[k];

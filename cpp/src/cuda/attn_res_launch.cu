@@ -1,0 +1,159 @@
+// Launcher of the per-token kernels: maps validated arguments and the plan onto one kernel instance and
+// launches it on the caller's stream with cudaLaunchKernelEx (cluster dimension for split_k, the PDL
+// attribute when enabled). No allocation, no synchronisation, configuration from shapes only: capturable
+// in CUDA graphs.
+#include <cuda_runtime.h>
+
+#include <mutex>
+
+#include "backend.hpp"
+#include "cuda/attn_res_per_token.cuh"
+#include "cuda/cuda_check.cuh"
+#include "layout.hpp"
+
+namespace attnres::detail {
+
+namespace {
+
+using KernelFn = void (*)(PerTokenParams);
+
+template <Mode M, bool CLUSTER>
+KernelFn by_bucket(int max_candidates) {
+  switch (max_candidates) {
+    case 4: return attn_res_per_token_kernel<4, M, CLUSTER>;
+    case 8: return attn_res_per_token_kernel<8, M, CLUSTER>;
+    // single_cta is planned for N <= 8 only (its 1024-thread register budget): no larger instances.
+    default: break;
+  }
+  if constexpr (CLUSTER) {
+    if (max_candidates == 12) return attn_res_per_token_kernel<12, M, true>;
+    if (max_candidates == 16) return attn_res_per_token_kernel<16, M, true>;
+  }
+  return nullptr;
+}
+
+template <bool CLUSTER>
+KernelFn by_mode(Mode mode, int max_candidates) {
+  switch (mode) {
+    case Mode::mix: return by_bucket<Mode::mix, CLUSTER>(max_candidates);
+    case Mode::norm: return by_bucket<Mode::norm, CLUSTER>(max_candidates);
+    case Mode::add: return by_bucket<Mode::add, CLUSTER>(max_candidates);
+    case Mode::add2: return by_bucket<Mode::add2, CLUSTER>(max_candidates);
+  }
+  return nullptr;
+}
+
+template <typename T>
+T* ptr(const TensorRef& t) {
+  return t.present() ? static_cast<T*>(t.data) : nullptr;
+}
+
+PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
+  PerTokenParams p{};
+  const int64_t H = a.layer_residual.shape[1];
+  p.layer_residual = ptr<const __nv_bfloat16>(a.layer_residual);
+  p.add = ptr<const __nv_bfloat16>(a.layer_residual_add);
+  p.add2 = ptr<const __nv_bfloat16>(a.layer_residual_add2);
+  p.bank = ptr<const __nv_bfloat16>(a.block_residual);
+  p.res_weight = ptr<const __nv_bfloat16>(a.res_weight);
+  p.rms_weight = ptr<const __nv_bfloat16>(a.rms_weight);
+  p.norm_weight = ptr<const __nv_bfloat16>(a.norm_weight);
+  p.output = ptr<__nv_bfloat16>(a.output);
+  p.updated = ptr<__nv_bfloat16>(a.updated);
+  p.mixture = ptr<__nv_bfloat16>(a.mixture);
+  if (a.snapshot_slot >= 0) p.snapshot = ptr<__nv_bfloat16>(snapshot_rows(a.block_residual, a.snapshot_slot));
+  p.rsigma = ptr<float>(a.rsigma);
+  p.probs = ptr<float>(a.probs);
+  p.logits = ptr<float>(a.logits);
+  p.lr_stride = a.layer_residual.strides[0];
+  p.add_stride = a.layer_residual_add.present() ? a.layer_residual_add.strides[0] : 0;
+  p.add2_stride = a.layer_residual_add2.present() ? a.layer_residual_add2.strides[0] : 0;
+  p.bank_snapshot_stride = a.block_residual.strides[0];
+  p.bank_token_stride = a.block_residual.strides[1];
+  p.output_stride = a.output.strides[0];
+  p.updated_stride = a.updated.present() ? a.updated.strides[0] : 0;
+  p.mixture_stride = a.mixture.present() ? a.mixture.strides[0] : 0;
+  for (int i = 0; i < 2; ++i) {
+    p.rsigma_stride[i] = a.rsigma.present() ? a.rsigma.strides[i] : 0;
+    p.probs_stride[i] = a.probs.present() ? a.probs.strides[i] : 0;
+    p.logits_stride[i] = a.logits.present() ? a.logits.strides[i] : 0;
+  }
+  p.tokens = static_cast<int32_t>(a.layer_residual.shape[0]);
+  p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
+  p.vectors = static_cast<int32_t>(H / 8);
+  p.chunk = (p.vectors + plan.cluster - 1) / plan.cluster;
+  p.hidden = static_cast<float>(H);
+  p.rms_eps = static_cast<float>(a.rms_eps);
+  p.norm_eps = static_cast<float>(a.norm_eps);
+  return p;
+}
+
+Mode mode_of(AttnResOp op, const AttnResArgs& a) {
+  if (op == AttnResOp::attn_res) return Mode::mix;
+  if (!a.layer_residual_add.present()) return Mode::norm;
+  return a.layer_residual_add2.present() ? Mode::add2 : Mode::add;
+}
+
+// Launches on the tensors' device, restoring the caller's current device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    else previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+// Clusters above the portable 8 blocks need an opt-in per kernel (Hopper schedules up to 16).
+void allow_large_cluster(KernelFn kernel) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                  cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
+             "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
+}
+
+}  // namespace
+
+void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
+  const bool cluster = plan.kernel == KernelKind::split_k;
+  const KernelFn kernel = cluster ? by_mode<true>(mode_of(op, a), plan.max_candidates)
+                                  : by_mode<false>(mode_of(op, a), plan.max_candidates);
+  if (kernel == nullptr)
+    throw UnsupportedError(std::string(op_name(op)) + ": no kernel instance for the plan (kernel " +
+                           kernel_name(plan.kernel) + ", N bucket " + std::to_string(plan.max_candidates) + ")");
+  const PerTokenParams params = make_params(a, plan);
+  DeviceGuard guard(a.layer_residual.device.index);
+  if (cluster && plan.cluster > 8) allow_large_cluster(kernel);
+
+  cudaLaunchAttribute attrs[2];
+  unsigned n_attrs = 0;
+  if (cluster) {
+    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
+    attrs[n_attrs].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
+    attrs[n_attrs].val.clusterDim.y = 1;
+    attrs[n_attrs].val.clusterDim.z = 1;
+    ++n_attrs;
+  }
+  if (plan.pdl) {
+    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attrs;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(params.tokens) * static_cast<unsigned>(plan.cluster), 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(plan.threads), 1, 1);
+  config.dynamicSmemBytes = 0;
+  config.stream = static_cast<cudaStream_t>(a.stream);
+  config.attrs = attrs;
+  config.numAttrs = n_attrs;
+  cuda_check(cudaLaunchKernelEx(&config, kernel, params), "attn_res kernel launch");
+}
+
+}  // namespace attnres::detail

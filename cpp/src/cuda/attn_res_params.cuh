@@ -1,0 +1,47 @@
+// Kernel parameters of the per-token attention-residual kernels (single_cta and split_k), built by the
+// launcher from validated AttnResArgs and the plan. Strides are in elements; pointers are 16-byte aligned
+// and token strides multiples of 8 elements (validated).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace attnres::detail {
+
+// What the kernel computes; a compile-time variant, so each instance carries only its own work.
+enum class Mode : int {
+  mix = 0,      // attn_res: mixture + fp32 diagnostics
+  norm = 1,     // attn_res_rmsnorm: trailing norm, prefix read from layer_residual
+  add = 2,      // attn_res_add_rmsnorm with one addend
+  add2 = 3,     // attn_res_add_rmsnorm with two addends (the MoE-tail fold)
+};
+
+struct PerTokenParams {
+  const __nv_bfloat16* layer_residual;
+  const __nv_bfloat16* add;
+  const __nv_bfloat16* add2;
+  const __nv_bfloat16* bank;
+  const __nv_bfloat16* res_weight;
+  const __nv_bfloat16* rms_weight;
+  const __nv_bfloat16* norm_weight;
+  __nv_bfloat16* output;
+  __nv_bfloat16* updated;   // nullptr: not requested
+  __nv_bfloat16* mixture;   // nullptr: no tap
+  __nv_bfloat16* snapshot;  // bank row `snapshot_slot` of token 0; nullptr: no snapshot write
+  float* rsigma;            // nullptr: no diagnostics
+  float* probs;
+  float* logits;
+  int64_t lr_stride, add_stride, add2_stride;  // token strides
+  int64_t bank_snapshot_stride, bank_token_stride;
+  int64_t output_stride, updated_stride, mixture_stride;
+  int64_t rsigma_stride[2], probs_stride[2], logits_stride[2];  // [n, t]
+  int32_t tokens;      // T
+  int32_t snapshots;   // K (N = K + 1)
+  int32_t vectors;     // H / 8
+  int32_t chunk;       // vectors owned by one block of the cluster
+  float hidden;        // H as float (the mean's divisor)
+  float rms_eps, norm_eps;
+};
+
+}  // namespace attnres::detail

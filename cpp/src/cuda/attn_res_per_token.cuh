@@ -1,0 +1,260 @@
+// The per-token attention-residual kernel: single_cta (CLUSTER = false, one block per token) and split_k
+// (CLUSTER = true, one thread-block cluster per token, H split across its blocks, partial sums exchanged
+// through distributed shared memory in rank order). One body serves both and every mode, so the
+// arithmetic is the same instruction sequence whatever the variant:
+//
+//   * Each thread owns one 16-byte vector (8 elements) of every candidate row and keeps all N of them in
+//     registers: every load of a token is issued before any is used (one DRAM round trip, not N).
+//   * Before griddepcontrol.wait it loads what no earlier kernel of the decode step writes: the weights and
+//     bank rows 0..K-2. The newest row K-1 (which the previous op may just have written as its snapshot),
+//     the prefix and the addends are loaded after the wait.
+//   * The addends only change the value of the last candidate (MODE add/add2 form P; MODE norm loads it):
+//     the reduction and mixing code is shared, which makes the add2 fold bitwise invisible.
+//   * Fixed reduction orders everywhere (butterfly in the warp, warps in order, cluster ranks in order), no
+//     atomics: identical bits run to run, and a token's result does not depend on T or its position.
+//   * Dependents are released (griddepcontrol.launch_dependents) after a block-wide barrier that follows
+//     the block's last store.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/attn_res_params.cuh"
+#include "cuda/device_utils.cuh"
+
+namespace attnres::detail {
+
+constexpr int kMaxWarpsPerBlock = 32;
+constexpr int kMaxClusterRanks = 16;
+constexpr int kSingleCtaMaxThreads = 1024;
+constexpr int kSplitKMaxThreads = 256;
+
+template <int NMAX, Mode MODE, bool CLUSTER>
+__global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThreads)
+    attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
+  namespace cg = cooperative_groups;
+  constexpr bool kNorm = MODE != Mode::mix;
+  constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
+
+  __shared__ float warp_part[kMaxWarpsPerBlock][2 * NMAX];  // per warp: (sumsq, dot) per candidate
+  __shared__ float block_part[2 * NMAX];                     // this block's sums (read by the cluster)
+  __shared__ float totals[2 * NMAX];                         // the token's sums (CLUSTER only)
+  __shared__ float warp_sq[kMaxWarpsPerBlock];               // the mixture's sum of squares
+  __shared__ float block_sq;
+  __shared__ float total_sq;
+
+  int rank = 0, ranks = 1, token = blockIdx.x;
+  if constexpr (CLUSTER) {
+    const cg::cluster_group cluster = cg::this_cluster();
+    rank = static_cast<int>(cluster.block_rank());
+    ranks = static_cast<int>(cluster.num_blocks());
+    token = blockIdx.x / ranks;
+  }
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
+  const int K = p.snapshots, N = K + 1;
+  const int vec = rank * p.chunk + tid;
+  const bool valid = tid < p.chunk && vec < p.vectors;
+  const int64_t col = static_cast<int64_t>(vec) * 8;
+  const __nv_bfloat16* bank_row0 = p.bank + token * p.bank_token_stride + col;
+
+  // ---- loads that no earlier kernel of the step writes (before the grid dependency) ----
+  uint4 rows[NMAX];
+  uint4 res_w = make_uint4(0, 0, 0, 0), rms_w = res_w, norm_w = res_w, prefix = res_w;
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n) rows[n] = prefix;
+  if (valid) {
+    res_w = load_nc16(p.res_weight + col);
+    rms_w = load_nc16(p.rms_weight + col);
+    if constexpr (kNorm) norm_w = load_nc16(p.norm_weight + col);
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n)
+      if (n + 1 < K) rows[n] = load_nc16(bank_row0 + n * p.bank_snapshot_stride);
+  }
+
+  grid_dependency_wait();
+
+  // ---- the newest bank row, the prefix and the addends ----
+  if (valid) {
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n)
+      if (n + 1 == K) rows[n] = load_nc16(bank_row0 + n * p.bank_snapshot_stride);
+    prefix = load_nc16(p.layer_residual + token * p.lr_stride + col);
+    if constexpr (kAdd) {
+      // ops.md step 1: P = bf16(P + S) with S = add, or S = bf16(add + add2): PyTorch's prefix + (add + add2).
+      float pf[8], s[8];
+      unpack8(prefix, pf);
+      unpack8(load_nc16(p.add + token * p.add_stride + col), s);
+      if constexpr (MODE == Mode::add2) {
+        float s2[8];
+        unpack8(load_nc16(p.add2 + token * p.add2_stride + col), s2);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) s[e] = round_bf16(add_rn_keep_subnormals(s[e], s2[e]));
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) pf[e] = add_rn_keep_subnormals(pf[e], s[e]);
+      prefix = pack8(pf);
+      if (p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
+      if (p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+    }
+  }
+
+  // ---- per-candidate (sum of squares, dot with q) over this thread's 8 elements ----
+  float q[8];
+  {
+    float a[8], b[8];
+    unpack8(res_w, a);
+    unpack8(rms_w, b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];  // rms_weight * res_weight in fp32, never rounded
+  }
+  float part[2 * NMAX];
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n) {
+    float x[8];
+    unpack8(n < K ? rows[n] : prefix, x);
+    float ss = 0.0f, dot = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      ss = fmaf(x[e], x[e], ss);
+      dot = fmaf(x[e], q[e], dot);
+    }
+    part[2 * n] = ss;
+    part[2 * n + 1] = dot;
+  }
+
+  // ---- reduce: warp (butterfly), block (warps in order), cluster (ranks in order) ----
+#pragma unroll
+  for (int i = 0; i < 2 * NMAX; ++i)
+    if (i < 2 * N) part[i] = warp_sum(part[i]);
+  if (lane == 0) {
+#pragma unroll
+    for (int i = 0; i < 2 * NMAX; ++i)
+      if (i < 2 * N) warp_part[warp][i] = part[i];
+  }
+  __syncthreads();
+  if (tid < 2 * N) {
+    float s = 0.0f;
+    for (int w = 0; w < warps; ++w) s += warp_part[w][tid];
+    block_part[tid] = s;
+  }
+  const float* tot = block_part;
+  if constexpr (CLUSTER) {
+    cluster_sync();  // every block's partials are written and visible to the cluster
+    if (tid < 2 * N) {
+      const cg::cluster_group cluster = cg::this_cluster();
+      float s = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r)
+        if (r < ranks) s += *cluster.map_shared_rank(&block_part[tid], r);
+      totals[tid] = s;
+    }
+    tot = totals;
+  }
+  __syncthreads();
+
+  // ---- softmax over the N candidates, computed identically by every thread of every block ----
+  float prob[NMAX];
+  float max_logit = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n)
+    if (n < N) {
+      const float rsigma = 1.0f / sqrtf(tot[2 * n] / p.hidden + p.rms_eps);
+      prob[n] = rsigma * tot[2 * n + 1];  // the logit, for now
+      max_logit = fmaxf(max_logit, prob[n]);
+    }
+  float denom = 0.0f;
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n)
+    if (n < N) {
+      prob[n] = expf(prob[n] - max_logit);
+      denom += prob[n];
+    }
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n)
+    if (n < N) prob[n] = prob[n] / denom;
+
+  if constexpr (MODE == Mode::mix) {
+    // fp32 diagnostics, written by the cluster's first block; recomputed from the same sums with the same
+    // expressions as above, so they are the values the mixture used.
+    if (rank == 0 && tid < N && p.rsigma) {
+      const float rsigma = 1.0f / sqrtf(tot[2 * tid] / p.hidden + p.rms_eps);
+      const float logit = rsigma * tot[2 * tid + 1];
+      p.rsigma[tid * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma;
+      p.logits[tid * p.logits_stride[0] + token * p.logits_stride[1]] = logit;
+      p.probs[tid * p.probs_stride[0] + token * p.probs_stride[1]] = expf(logit - max_logit) / denom;
+    }
+  }
+
+  // ---- the mixture, rounded to bf16 once (ops.md step 6) ----
+  float mix[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint4 mixed = make_uint4(0, 0, 0, 0);
+  if (valid) {
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n)
+      if (n < N) {
+        float x[8];
+        unpack8(n < K ? rows[n] : prefix, x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
+      }
+    mixed = pack8(mix);
+    unpack8(mixed, mix);  // from here on the mixture is its bf16 value
+    if constexpr (MODE == Mode::mix) {
+      store16(p.output + token * p.output_stride + col, mixed);
+    } else {
+      if (p.mixture) store16(p.mixture + token * p.mixture_stride + col, mixed);
+    }
+  }
+
+  if constexpr (kNorm) {
+    // ---- trailing RMSNorm in Kimi's two-rounding order (ops.md step 7) ----
+    float sq = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq = fmaf(mix[e], mix[e], sq);
+    sq = warp_sum(sq);
+    if (lane == 0) warp_sq[warp] = sq;
+    __syncthreads();
+    if (tid == 0) {
+      float s = 0.0f;
+      for (int w = 0; w < warps; ++w) s += warp_sq[w];
+      block_sq = s;
+    }
+    float total;
+    if constexpr (CLUSTER) {
+      cluster_sync();
+      if (tid == 0) {
+        const cg::cluster_group cluster = cg::this_cluster();
+        float s = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kMaxClusterRanks; ++r)
+          if (r < ranks) s += *cluster.map_shared_rank(&block_sq, r);
+        total_sq = s;
+      }
+      __syncthreads();
+      total = total_sq;
+      cluster_arrive();  // done reading peers' shared memory
+    } else {
+      __syncthreads();
+      total = block_sq;
+    }
+    if (valid) {
+      const float r = 1.0f / sqrtf(total / p.hidden + p.norm_eps);
+      float w[8], o[8];
+      unpack8(norm_w, w);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[e] = round_bf16(mix[e] * r) * w[e];
+      store16(p.output + token * p.output_stride + col, pack8(o));
+    }
+  } else if constexpr (CLUSTER) {
+    cluster_arrive();  // the last remote read was before the __syncthreads above
+  }
+
+  // ---- release dependents after every store of the block; keep shared memory alive for the cluster ----
+  __syncthreads();
+  launch_dependents();
+  if constexpr (CLUSTER) cluster_wait();
+}
+
+}  // namespace attnres::detail

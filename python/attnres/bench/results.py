@@ -1,0 +1,75 @@
+"""Results files: one JSON per run, keyed by GPU, commit and shape; and the target table derived from them."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+
+import attnres
+
+
+def metadata(commit: str | None = None) -> dict:
+    if commit is None:
+        commit = os.environ.get("ATTNRES_COMMIT")
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                    check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {"gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
+            "commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "attnres": attnres.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
+
+
+def save(path: str, meta: dict, records: list[dict], extra: dict | None = None) -> None:
+    with open(path, "w") as f:
+        json.dump({"meta": meta, **(extra or {}), "records": records}, f, indent=1)
+
+
+def _find(records, **key):
+    for r in records:
+        if all(r.get(k) == v for k, v in key.items()):
+            return r
+    return None
+
+
+def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
+    """(id, what, measured, met) for P1-P4 from a decode sweep."""
+    rows = []
+    dec = [r for r in records if r.get("suite") == "decode"]
+    p1 = _find(dec, provider="attnres/add2", T=1, N=9)
+    if p1:
+        rows.append(("P1", "add2 op, T=1, N=9 <= 2.5 us", f"{p1['median_us']:.2f} us (p10-p90 {p1['p10_us']:.2f}-{p1['p90_us']:.2f})",
+                     p1["median_us"] <= 2.5))
+    add2 = [r for r in dec if r["provider"] == "attnres/add2" and ((r["T"] == 1 and r["N"] <= 12) or (r["N"] == 9 and r["T"] <= 32))]
+    if add2:
+        worst = max(add2, key=lambda r: r["median_us"])
+        rows.append(("P2", "add2 op <= 3.0 us for N<=12 at T=1 and T<=32 at N=9",
+                     f"worst {worst['median_us']:.2f} us at T={worst['T']} N={worst['N']}", worst["median_us"] <= 3.0))
+    deltas = []
+    for r in add2:
+        one = _find(dec, provider="attnres/add", T=r["T"], N=r["N"])
+        if one:
+            deltas.append((r["median_us"] - one["median_us"], r["T"], r["N"]))
+    if deltas:
+        worst = max(deltas)
+        rows.append(("P3", "add2 costs <= 0.1 us over add", f"worst +{worst[0]:.3f} us at T={worst[1]} N={worst[2]}",
+                     worst[0] <= 0.1))
+    ratios = []
+    for r in dec:
+        if r["provider"] != "torch_compile_step":
+            continue
+        ours = _find(dec, provider="attnres/add2", T=r["T"], N=r["N"])
+        if ours:
+            ratios.append((r["median_us"] / ours["median_us"], r["T"], r["N"]))
+    if ratios:
+        worst = min(ratios)
+        rows.append(("P4", ">= 4x faster than torch.compile of the step", f"worst {worst[0]:.1f}x at T={worst[1]} N={worst[2]}",
+                     worst[0] >= 4.0))
+    return rows

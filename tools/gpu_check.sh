@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The GPU check, run on the H200 (the device tool) from the repository root:
+#   tools/gpu_check.sh [smoke|test|bench|full]     results and logs under $OUT (default ./gpu_out)
+# smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run);
+# bench: build + the benchmark suites; full: all of it. The machine has no network: it builds with the
+# preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
+# .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
+set -uo pipefail
+mode=${1:-full}
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 ATTNRES_COMMIT=${ATTNRES_COMMIT:-unknown} CMAKE_BUILD_PARALLEL_LEVEL=16
+status=0
+step() { echo "== $* ($(date +%T))"; }
+
+step "environment"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch,sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
+
+step "build + install (CUDA sm_90)"
+export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON"
+if ! python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1; then
+  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+fi
+python3 -c "import attnres; print(attnres.backend_info())"
+
+if [[ $mode == smoke || $mode == full ]]; then
+  step "kernel self-check"
+  python3 tools/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || status=1
+fi
+
+if [[ $mode == test || $mode == full ]]; then
+  step "ctest (GPU suites run)"
+  gt=$PWD/.gpu_carry/gtest/lib/x86_64-linux-gnu/cmake/GTest
+  if cmake -S . -B build/ctest -G Ninja -DATTNRES_BUILD_TESTS=ON -DATTNRES_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+       -DGTest_DIR="$gt" >"$OUT/ctest.log" 2>&1 && cmake --build build/ctest >>"$OUT/ctest.log" 2>&1; then
+    (cd build/ctest && ctest --output-on-failure -j 8 2>&1) | tee -a "$OUT/ctest.log" | tail -15 || status=1
+    grep -q "100% tests passed" "$OUT/ctest.log" || status=1
+  else
+    tail -30 "$OUT/ctest.log"; echo "CTEST BUILD FAILED"; status=1
+  fi
+  step "pytest (GPU cases run)"
+  python3 -m pytest -q -x -p no:cacheprovider -n 8 --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
+    >"$OUT/pytest.log" 2>&1 || status=1
+  tail -25 "$OUT/pytest.log"
+fi
+
+if [[ $mode == smoke ]]; then
+  step "quick benchmarks"
+  python3 -m attnres.bench tune --quick --out "$OUT/tune_quick.json" 2>&1 | tail -8
+  python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -8
+fi
+if [[ $mode == bench || $mode == full ]]; then
+  step "benchmarks"
+  python3 -m attnres.bench all --out "$OUT/bench.json" 2>&1 | tail -12 || status=1
+fi
+step "done: status $status"
+exit $status
