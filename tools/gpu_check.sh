@@ -25,6 +25,9 @@ fi
 python3 -c "import attnres; print(attnres.backend_info())"
 
 if [[ $mode == smoke || $mode == full ]]; then
+  step "SASS of the kernels (for reading load batching and barriers)"
+  so=$(python3 -c "import attnres._C as c; print(c.__file__)")
+  cuobjdump -sass "$so" >"$OUT/sass.txt" 2>&1 || true
   step "kernel self-check"
   python3 tools/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || status=1
 fi

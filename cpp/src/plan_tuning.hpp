@@ -13,9 +13,9 @@ constexpr int kNumCandidateBuckets = 4;
 
 // single_cta keeps a token's N rows in one block's registers, one 16-byte vector per thread and row:
 // 1024 threads (the block limit) x 8 elements bounds H to 8192, and the 64-register cap of a 1024-thread
-// block bounds N to 8.
+// block bounds N to 4 (the N <= 8 instance spilled 160 bytes; ptxas -v).
 constexpr int64_t kSingleCtaMaxThreads = 1024;
-constexpr int64_t kSingleCtaMaxCandidates = 8;
+constexpr int64_t kSingleCtaMaxCandidates = 4;
 
 // split_k blocks are compiled for at most 256 threads (so the N = 16 bucket keeps its 64 registers of row
 // data without spilling); H = 16384 fits a cluster of 8.

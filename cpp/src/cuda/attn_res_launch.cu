@@ -21,11 +21,12 @@ template <Mode M, bool CLUSTER>
 KernelFn by_bucket(int max_candidates) {
   switch (max_candidates) {
     case 4: return attn_res_per_token_kernel<4, M, CLUSTER>;
-    case 8: return attn_res_per_token_kernel<8, M, CLUSTER>;
-    // single_cta is planned for N <= 8 only (its 1024-thread register budget): no larger instances.
     default: break;
   }
+  // single_cta is planned for N <= 4 only: a 1024-thread block has 64 registers per thread, and the
+  // N <= 8 instance spilled (ptxas: 160 bytes).
   if constexpr (CLUSTER) {
+    if (max_candidates == 8) return attn_res_per_token_kernel<8, M, true>;
     if (max_candidates == 12) return attn_res_per_token_kernel<12, M, true>;
     if (max_candidates == 16) return attn_res_per_token_kernel<16, M, true>;
   }

@@ -31,12 +31,37 @@ constexpr int kMaxClusterRanks = 16;
 constexpr int kSingleCtaMaxThreads = 1024;
 constexpr int kSplitKMaxThreads = 256;
 
+// sum_{w < warps} base[w * stride] in warp order; the loads are issued together (unrolled, clamped index,
+// masked add: adding +0 to a sum that started at +0 changes no bits).
+template <int MAX_WARPS>
+__device__ __forceinline__ float sum_over_warps(const float* base, int stride, int warps) {
+  float v[MAX_WARPS];
+#pragma unroll
+  for (int w = 0; w < MAX_WARPS; ++w) v[w] = base[(w < warps ? w : 0) * stride];
+  float s = 0.0f;
+#pragma unroll
+  for (int w = 0; w < MAX_WARPS; ++w) s += w < warps ? v[w] : 0.0f;
+  return s;
+}
+
+// sum over the cluster's blocks, in rank order, of the float at shared address `local` in each block.
+__device__ __forceinline__ float sum_over_ranks(uint32_t local, int ranks) {
+  float v[kMaxClusterRanks];
+#pragma unroll
+  for (int r = 0; r < kMaxClusterRanks; ++r) v[r] = load_dsmem_if(local, r, r < ranks);
+  float s = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kMaxClusterRanks; ++r) s += v[r];
+  return s;
+}
+
 template <int NMAX, Mode MODE, bool CLUSTER>
 __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThreads)
     attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
   namespace cg = cooperative_groups;
   constexpr bool kNorm = MODE != Mode::mix;
   constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
+  constexpr int kMaxWarps = (CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThreads) / 32;
 
   __shared__ float warp_part[kMaxWarpsPerBlock][2 * NMAX];  // per warp: (sumsq, dot) per candidate
   __shared__ float block_part[2 * NMAX];                     // this block's sums (read by the cluster)
@@ -60,44 +85,42 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   const __nv_bfloat16* bank_row0 = p.bank + token * p.bank_token_stride + col;
 
   // ---- loads that no earlier kernel of the step writes (before the grid dependency) ----
+  // Every load is predicated (load_nc16_if), never branched around: one basic block, all in flight.
   uint4 rows[NMAX];
-  uint4 res_w = make_uint4(0, 0, 0, 0), rms_w = res_w, norm_w = res_w, prefix = res_w;
+  const uint4 res_w = load_nc16_if(p.res_weight + col, valid);
+  const uint4 rms_w = load_nc16_if(p.rms_weight + col, valid);
+  const uint4 norm_w = load_nc16_if(p.norm_weight + col, kNorm && valid);
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n) rows[n] = prefix;
-  if (valid) {
-    res_w = load_nc16(p.res_weight + col);
-    rms_w = load_nc16(p.rms_weight + col);
-    if constexpr (kNorm) norm_w = load_nc16(p.norm_weight + col);
-#pragma unroll
-    for (int n = 0; n < NMAX; ++n)
-      if (n + 1 < K) rows[n] = load_nc16(bank_row0 + n * p.bank_snapshot_stride);
-  }
+  for (int n = 0; n < NMAX; ++n) rows[n] = load_nc16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
   grid_dependency_wait();
 
   // ---- the newest bank row, the prefix and the addends ----
-  if (valid) {
 #pragma unroll
-    for (int n = 0; n < NMAX; ++n)
-      if (n + 1 == K) rows[n] = load_nc16(bank_row0 + n * p.bank_snapshot_stride);
-    prefix = load_nc16(p.layer_residual + token * p.lr_stride + col);
-    if constexpr (kAdd) {
-      // ops.md step 1: P = bf16(P + S) with S = add, or S = bf16(add + add2): PyTorch's prefix + (add + add2).
-      float pf[8], s[8];
-      unpack8(prefix, pf);
-      unpack8(load_nc16(p.add + token * p.add_stride + col), s);
-      if constexpr (MODE == Mode::add2) {
-        float s2[8];
-        unpack8(load_nc16(p.add2 + token * p.add2_stride + col), s2);
+  for (int n = 0; n < NMAX; ++n) {
+    // rows[n] is zero here when n + 1 == K, and `newest` is zero otherwise: OR merges without a branch.
+    const uint4 newest = load_nc16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 == K);
+    rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
+  }
+  uint4 prefix = load_nc16_if(p.layer_residual + token * p.lr_stride + col, valid);
+  if constexpr (kAdd) {
+    // ops.md step 1: P = bf16(P + S) with S = add, or S = bf16(add + add2): PyTorch's prefix + (add + add2).
+    const uint4 add = load_nc16_if(p.add + token * p.add_stride + col, valid);
+    const uint4 add2 = load_nc16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
+    float pf[8], s[8];
+    unpack8(prefix, pf);
+    unpack8(add, s);
+    if constexpr (MODE == Mode::add2) {
+      float s2[8];
+      unpack8(add2, s2);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) s[e] = round_bf16(add_rn_keep_subnormals(s[e], s2[e]));
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) pf[e] = add_rn_keep_subnormals(pf[e], s[e]);
-      prefix = pack8(pf);
-      if (p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
-      if (p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+      for (int e = 0; e < 8; ++e) s[e] = round_bf16(add_rn_keep_subnormals(s[e], s2[e]));
     }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) pf[e] = add_rn_keep_subnormals(pf[e], s[e]);
+    prefix = pack8(pf);
+    if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
+    if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
   }
 
   // ---- per-candidate (sum of squares, dot with q) over this thread's 8 elements ----
@@ -113,7 +136,7 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) {
     float x[8];
-    unpack8(n < K ? rows[n] : prefix, x);
+    unpack8(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), x);
     float ss = 0.0f, dot = 0.0f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -125,31 +148,19 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   }
 
   // ---- reduce: warp (butterfly), block (warps in order), cluster (ranks in order) ----
+  // Unconditional over the bucket (values past N are zeros): the shuffle chains interleave.
 #pragma unroll
-  for (int i = 0; i < 2 * NMAX; ++i)
-    if (i < 2 * N) part[i] = warp_sum(part[i]);
+  for (int i = 0; i < 2 * NMAX; ++i) part[i] = warp_sum(part[i]);
   if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < 2 * NMAX; ++i)
-      if (i < 2 * N) warp_part[warp][i] = part[i];
+    for (int i = 0; i < 2 * NMAX; ++i) warp_part[warp][i] = part[i];
   }
   __syncthreads();
-  if (tid < 2 * N) {
-    float s = 0.0f;
-    for (int w = 0; w < warps; ++w) s += warp_part[w][tid];
-    block_part[tid] = s;
-  }
+  if (tid < 2 * NMAX) block_part[tid] = sum_over_warps<kMaxWarps>(&warp_part[0][tid], 2 * NMAX, warps);
   const float* tot = block_part;
   if constexpr (CLUSTER) {
     cluster_sync();  // every block's partials are written and visible to the cluster
-    if (tid < 2 * N) {
-      const cg::cluster_group cluster = cg::this_cluster();
-      float s = 0.0f;
-#pragma unroll
-      for (int r = 0; r < kMaxClusterRanks; ++r)
-        if (r < ranks) s += *cluster.map_shared_rank(&block_part[tid], r);
-      totals[tid] = s;
-    }
+    if (tid < 2 * NMAX) totals[tid] = sum_over_ranks(shared_address(&block_part[tid]), ranks);
     tot = totals;
   }
   __syncthreads();
@@ -216,22 +227,11 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     sq = warp_sum(sq);
     if (lane == 0) warp_sq[warp] = sq;
     __syncthreads();
-    if (tid == 0) {
-      float s = 0.0f;
-      for (int w = 0; w < warps; ++w) s += warp_sq[w];
-      block_sq = s;
-    }
+    if (tid == 0) block_sq = sum_over_warps<kMaxWarps>(warp_sq, 1, warps);
     float total;
     if constexpr (CLUSTER) {
       cluster_sync();
-      if (tid == 0) {
-        const cg::cluster_group cluster = cg::this_cluster();
-        float s = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kMaxClusterRanks; ++r)
-          if (r < ranks) s += *cluster.map_shared_rank(&block_sq, r);
-        total_sq = s;
-      }
+      if (tid == 0) total_sq = sum_over_ranks(shared_address(&block_sq), ranks);
       __syncthreads();
       total = total_sq;
       cluster_arrive();  // done reading peers' shared memory

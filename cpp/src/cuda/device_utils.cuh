@@ -8,8 +8,28 @@
 
 namespace attnres::detail {
 
-// 8 bf16 values in one 16-byte vector.
-__device__ __forceinline__ uint4 load_nc16(const __nv_bfloat16* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+// 8 bf16 values in one 16-byte vector, loaded only when `pred` holds (zeros otherwise). A predicated PTX
+// load instead of an `if`: the load sequence stays one basic block, so ptxas keeps every load of a token in
+// flight at once. (With a branch around each load it waited for each load before the next: measured on the
+// H200 as one DRAM round trip per candidate row, ~0.6 us each.) volatile + "memory" keep the program order
+// relative to griddepcontrol.wait.
+__device__ __forceinline__ uint4 load_nc16_if(const __nv_bfloat16* p, bool pred) {
+  uint4 v;
+  asm volatile(
+      "{\n"
+      "  .reg .pred q;\n"
+      "  setp.ne.b32 q, %5, 0;\n"
+      "  mov.b32 %0, 0;\n"
+      "  mov.b32 %1, 0;\n"
+      "  mov.b32 %2, 0;\n"
+      "  mov.b32 %3, 0;\n"
+      "  @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred))
+      : "memory");
+  return v;
+}
 __device__ __forceinline__ void store16(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
 // bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 word.
@@ -51,6 +71,29 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 __device__ __forceinline__ void cluster_sync() {
   cluster_arrive();
   cluster_wait();
+}
+
+// A float of block `rank`'s shared memory at this block's shared address `local` (distributed shared
+// memory), or +0 when `pred` is false. Predicated like load_nc16_if so the reads of all ranks overlap.
+__device__ __forceinline__ float load_dsmem_if(uint32_t local, int rank, bool pred) {
+  float v;
+  asm volatile(
+      "{\n"
+      "  .reg .pred q;\n"
+      "  .reg .b32 remote;\n"
+      "  setp.ne.b32 q, %3, 0;\n"
+      "  mov.b32 %0, 0f00000000;\n"
+      "  mapa.shared::cluster.u32 remote, %1, %2;\n"
+      "  @q ld.shared::cluster.f32 %0, [remote];\n"
+      "}\n"
+      : "=f"(v)
+      : "r"(local), "r"(rank), "r"(static_cast<int>(pred))
+      : "memory");
+  return v;
+}
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
 // Butterfly sum over the 32 lanes: a fixed tree, and every lane ends with the same bits (each pairwise add
