@@ -12,6 +12,8 @@
 //     the reduction and mixing code is shared, which makes the add2 fold bitwise invisible.
 //   * Fixed reduction orders everywhere (butterfly in the warp, warps in order, cluster ranks in order), no
 //     atomics: identical bits run to run, and a token's result does not depend on T or its position.
+//   * split_k exchanges partial sums by pushing them into every peer's shared memory (st.async completing
+//     on the peer's mbarrier): each block waits on its own mbarrier, never on a cluster-wide barrier.
 //   * Dependents are released (griddepcontrol.launch_dependents) after a block-wide barrier that follows
 //     the block's last store.
 #pragma once
@@ -26,7 +28,6 @@
 
 namespace attnres::detail {
 
-constexpr int kMaxWarpsPerBlock = 32;
 constexpr int kMaxClusterRanks = 16;
 constexpr int kSingleCtaMaxThreads = 1024;
 constexpr int kSplitKMaxThreads = 256;
@@ -44,15 +45,21 @@ __device__ __forceinline__ float sum_over_warps(const float* base, int stride, i
   return s;
 }
 
-// sum over the cluster's blocks, in rank order, of the float at shared address `local` in each block.
-__device__ __forceinline__ float sum_over_ranks(uint32_t local, int ranks) {
+// Sum in rank order of what every block of the cluster pushed into recv[rank * stride] (same masking).
+__device__ __forceinline__ float sum_over_ranks(const float* recv, int stride, int ranks) {
   float v[kMaxClusterRanks];
 #pragma unroll
-  for (int r = 0; r < kMaxClusterRanks; ++r) v[r] = load_dsmem_if(local, r, r < ranks);
+  for (int r = 0; r < kMaxClusterRanks; ++r) v[r] = recv[(r < ranks ? r : 0) * stride];
   float s = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kMaxClusterRanks; ++r) s += v[r];
+  for (int r = 0; r < kMaxClusterRanks; ++r) s += r < ranks ? v[r] : 0.0f;
   return s;
+}
+
+// Pushes `value` into slot recv[rank_self * stride] of every block of the cluster.
+__device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* bar, float value, int ranks) {
+  const uint32_t slot = shared_address(recv_slot), barrier = shared_address(bar);
+  for (int r = 0; r < ranks; ++r) st_async_f32(map_to_rank(slot, r), value, map_to_rank(barrier, r));
 }
 
 template <int NMAX, Mode MODE, bool CLUSTER>
@@ -62,13 +69,15 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   constexpr bool kNorm = MODE != Mode::mix;
   constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
   constexpr int kMaxWarps = (CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThreads) / 32;
+  constexpr int kRanks = CLUSTER ? kMaxClusterRanks : 1;
 
-  __shared__ float warp_part[kMaxWarpsPerBlock][2 * NMAX];  // per warp: (sumsq, dot) per candidate
-  __shared__ float block_part[2 * NMAX];                     // this block's sums (read by the cluster)
-  __shared__ float totals[2 * NMAX];                         // the token's sums (CLUSTER only)
-  __shared__ float warp_sq[kMaxWarpsPerBlock];               // the mixture's sum of squares
-  __shared__ float block_sq;
-  __shared__ float total_sq;
+  __shared__ float warp_part[kMaxWarps][2 * NMAX];  // per warp: (sumsq, dot) per candidate
+  __shared__ float totals[2 * NMAX];                // the token's sums
+  __shared__ float warp_sq[kMaxWarps];              // the mixture's sum of squares, per warp
+  __shared__ float block_sq;                        // single_cta: the token's
+  __shared__ float recv_part[kRanks][2 * NMAX];     // split_k: every block's (sumsq, dot), by rank
+  __shared__ float recv_sq[kRanks];                 // split_k: every block's mixture sum of squares
+  __shared__ alignas(8) uint64_t bars[2];           // split_k: completion of the two exchanges
 
   int rank = 0, ranks = 1, token = blockIdx.x;
   if constexpr (CLUSTER) {
@@ -76,6 +85,14 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     rank = static_cast<int>(cluster.block_rank());
     ranks = static_cast<int>(cluster.num_blocks());
     token = blockIdx.x / ranks;
+    // Peers push into our shared memory only after they know our mbarriers exist: init, fence, then a
+    // relaxed cluster arrive now and the matching wait just before the first push.
+    if (threadIdx.x == 0) {
+      mbarrier_init(shared_address(&bars[0]), 1);
+      mbarrier_init(shared_address(&bars[1]), 1);
+      fence_mbarrier_init_cluster();
+    }
+    cluster_arrive_relaxed();
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
   const int K = p.snapshots, N = K + 1;
@@ -85,13 +102,13 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   const __nv_bfloat16* bank_row0 = p.bank + token * p.bank_token_stride + col;
 
   // ---- loads that no earlier kernel of the step writes (before the grid dependency) ----
-  // Every load is predicated (load_nc16_if), never branched around: one basic block, all in flight.
+  // Every load is predicated (load16_if), never branched around: one basic block, all in flight.
   uint4 rows[NMAX];
-  const uint4 res_w = load_nc16_if(p.res_weight + col, valid);
-  const uint4 rms_w = load_nc16_if(p.rms_weight + col, valid);
-  const uint4 norm_w = load_nc16_if(p.norm_weight + col, kNorm && valid);
+  const uint4 res_w = load16_if(p.res_weight + col, valid);
+  const uint4 rms_w = load16_if(p.rms_weight + col, valid);
+  const uint4 norm_w = load16_if(p.norm_weight + col, kNorm && valid);
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n) rows[n] = load_nc16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
+  for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
   grid_dependency_wait();
 
@@ -99,14 +116,14 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) {
     // rows[n] is zero here when n + 1 == K, and `newest` is zero otherwise: OR merges without a branch.
-    const uint4 newest = load_nc16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 == K);
+    const uint4 newest = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 == K);
     rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
   }
-  uint4 prefix = load_nc16_if(p.layer_residual + token * p.lr_stride + col, valid);
+  uint4 prefix = load16_if(p.layer_residual + token * p.lr_stride + col, valid);
   if constexpr (kAdd) {
     // ops.md step 1: P = bf16(P + S) with S = add, or S = bf16(add + add2): PyTorch's prefix + (add + add2).
-    const uint4 add = load_nc16_if(p.add + token * p.add_stride + col, valid);
-    const uint4 add2 = load_nc16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
+    const uint4 add = load16_if(p.add + token * p.add_stride + col, valid);
+    const uint4 add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
     float pf[8], s[8];
     unpack8(prefix, pf);
     unpack8(add, s);
@@ -156,12 +173,16 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     for (int i = 0; i < 2 * NMAX; ++i) warp_part[warp][i] = part[i];
   }
   __syncthreads();
-  if (tid < 2 * NMAX) block_part[tid] = sum_over_warps<kMaxWarps>(&warp_part[0][tid], 2 * NMAX, warps);
-  const float* tot = block_part;
   if constexpr (CLUSTER) {
-    cluster_sync();  // every block's partials are written and visible to the cluster
-    if (tid < 2 * NMAX) totals[tid] = sum_over_ranks(shared_address(&block_part[tid]), ranks);
-    tot = totals;
+    cluster_wait();  // every peer's mbarriers are initialised
+    if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
+    if (tid < 2 * N)
+      push_to_ranks(&recv_part[rank][tid], &bars[0], sum_over_warps<kMaxWarps>(&warp_part[0][tid], 2 * NMAX, warps),
+                    ranks);
+    mbarrier_wait_parity(shared_address(&bars[0]), 0);
+    if (tid < 2 * N) totals[tid] = sum_over_ranks(&recv_part[0][tid], 2 * NMAX, ranks);
+  } else {
+    if (tid < 2 * N) totals[tid] = sum_over_warps<kMaxWarps>(&warp_part[0][tid], 2 * NMAX, warps);
   }
   __syncthreads();
 
@@ -171,8 +192,8 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
 #pragma unroll
   for (int n = 0; n < NMAX; ++n)
     if (n < N) {
-      const float rsigma = 1.0f / sqrtf(tot[2 * n] / p.hidden + p.rms_eps);
-      prob[n] = rsigma * tot[2 * n + 1];  // the logit, for now
+      const float rsigma = 1.0f / sqrtf(totals[2 * n] / p.hidden + p.rms_eps);
+      prob[n] = rsigma * totals[2 * n + 1];  // the logit, for now
       max_logit = fmaxf(max_logit, prob[n]);
     }
   float denom = 0.0f;
@@ -190,8 +211,8 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     // fp32 diagnostics, written by the cluster's first block; recomputed from the same sums with the same
     // expressions as above, so they are the values the mixture used.
     if (rank == 0 && tid < N && p.rsigma) {
-      const float rsigma = 1.0f / sqrtf(tot[2 * tid] / p.hidden + p.rms_eps);
-      const float logit = rsigma * tot[2 * tid + 1];
+      const float rsigma = 1.0f / sqrtf(totals[2 * tid] / p.hidden + p.rms_eps);
+      const float logit = rsigma * totals[2 * tid + 1];
       p.rsigma[tid * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma;
       p.logits[tid * p.logits_stride[0] + token * p.logits_stride[1]] = logit;
       p.probs[tid * p.probs_stride[0] + token * p.probs_stride[1]] = expf(logit - max_logit) / denom;
@@ -227,15 +248,16 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     sq = warp_sum(sq);
     if (lane == 0) warp_sq[warp] = sq;
     __syncthreads();
-    if (tid == 0) block_sq = sum_over_warps<kMaxWarps>(warp_sq, 1, warps);
     float total;
     if constexpr (CLUSTER) {
-      cluster_sync();
-      if (tid == 0) total_sq = sum_over_ranks(shared_address(&block_sq), ranks);
-      __syncthreads();
-      total = total_sq;
-      cluster_arrive();  // done reading peers' shared memory
+      if (tid == 0) {
+        mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
+        push_to_ranks(&recv_sq[rank], &bars[1], sum_over_warps<kMaxWarps>(warp_sq, 1, warps), ranks);
+      }
+      mbarrier_wait_parity(shared_address(&bars[1]), 0);
+      total = sum_over_ranks(recv_sq, 1, ranks);
     } else {
+      if (tid == 0) block_sq = sum_over_warps<kMaxWarps>(warp_sq, 1, warps);
       __syncthreads();
       total = block_sq;
     }
@@ -247,14 +269,13 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
       for (int e = 0; e < 8; ++e) o[e] = round_bf16(mix[e] * r) * w[e];
       store16(p.output + token * p.output_stride + col, pack8(o));
     }
-  } else if constexpr (CLUSTER) {
-    cluster_arrive();  // the last remote read was before the __syncthreads above
   }
 
-  // ---- release dependents after every store of the block; keep shared memory alive for the cluster ----
+  // ---- release dependents after every store of the block ----
+  // (No cluster barrier before exit: every push into this block's shared memory completed before its
+  // mbarrier waits returned, and it pushes nothing after them.)
   __syncthreads();
   launch_dependents();
-  if constexpr (CLUSTER) cluster_wait();
 }
 
 }  // namespace attnres::detail

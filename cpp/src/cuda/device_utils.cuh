@@ -11,9 +11,10 @@ namespace attnres::detail {
 // 8 bf16 values in one 16-byte vector, loaded only when `pred` holds (zeros otherwise). A predicated PTX
 // load instead of an `if`: the load sequence stays one basic block, so ptxas keeps every load of a token in
 // flight at once. (With a branch around each load it waited for each load before the next: measured on the
-// H200 as one DRAM round trip per candidate row, ~0.6 us each.) volatile + "memory" keep the program order
-// relative to griddepcontrol.wait.
-__device__ __forceinline__ uint4 load_nc16_if(const __nv_bfloat16* p, bool pred) {
+// H200 as one DRAM round trip per candidate row, ~0.6 us each.) A plain ld.global, not ld.global.nc:
+// ptxas 13.0 hoisted griddepcontrol.wait above .nc loads (SASS: ACQBULK before the LDGs), which turned the
+// PDL prefetch into post-wait loads; coherent loads stay where the program puts them.
+__device__ __forceinline__ uint4 load16_if(const __nv_bfloat16* p, bool pred) {
   uint4 v;
   asm volatile(
       "{\n"
@@ -23,7 +24,7 @@ __device__ __forceinline__ uint4 load_nc16_if(const __nv_bfloat16* p, bool pred)
       "  mov.b32 %1, 0;\n"
       "  mov.b32 %2, 0;\n"
       "  mov.b32 %3, 0;\n"
-      "  @q ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "  @q ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       "}\n"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p), "r"(static_cast<int>(pred))
@@ -64,32 +65,49 @@ __device__ __forceinline__ float add_rn_keep_subnormals(float a, float b) {
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
-// Split cluster barrier: arrive once this block no longer reads peers' shared memory, wait before exiting
-// (a block's shared memory must outlive every remote read of it).
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
+// Cluster barrier without memory ordering (barrier.cluster.arrive.release compiles to MEMBAR.ALL.GPU, a
+// full wait for every outstanding store); used once, to publish the mbarrier initialisation.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
-// A float of block `rank`'s shared memory at this block's shared address `local` (distributed shared
-// memory), or +0 when `pred` is false. Predicated like load_nc16_if so the reads of all ranks overlap.
-__device__ __forceinline__ float load_dsmem_if(uint32_t local, int rank, bool pred) {
-  float v;
-  asm volatile(
-      "{\n"
-      "  .reg .pred q;\n"
-      "  .reg .b32 remote;\n"
-      "  setp.ne.b32 q, %3, 0;\n"
-      "  mov.b32 %0, 0f00000000;\n"
-      "  mapa.shared::cluster.u32 remote, %1, %2;\n"
-      "  @q ld.shared::cluster.f32 %0, [remote];\n"
-      "}\n"
-      : "=f"(v)
-      : "r"(local), "r"(rank), "r"(static_cast<int>(pred))
-      : "memory");
-  return v;
+// mbarrier-based exchange through distributed shared memory: each block pushes its values into every peer's
+// shared memory with st.async, which completes bytes on the peer's mbarrier; a block waits only on its own
+// mbarrier (no cluster-wide barrier per exchange).
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_mbarrier_init_cluster() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbarrier_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n"
+        "  .reg .pred p;\n"
+        "  mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
+// The shared::cluster address of `local` (a shared::cta address of this block) in block `rank`.
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t local, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+__device__ __forceinline__ void st_async_f32(uint32_t remote, float v, uint32_t remote_bar) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
+               "r"(__float_as_uint(v)), "r"(remote_bar)
+               : "memory");
 }
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {

@@ -12,7 +12,7 @@ from .workloads import attnres_call, make_sets, step_bytes
 
 def configs(H: int, N: int) -> dict[str, attnres.Options]:
     out = {}
-    if H <= 8192 and N <= 8:
+    if H <= 8192 and N <= 4:
         out["single_cta"] = attnres.Options(kernel="single_cta")
     for c in (2, 4, 7, 8, 16):
         if H // 8 // c >= 8 and (H // 8 + c - 1) // c <= 256:
