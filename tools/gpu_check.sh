@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|bench|full]     results and logs under $OUT (default ./gpu_out)
+#   tools/gpu_check.sh [smoke|test|bench|full|profile]     results and logs under $OUT (default ./gpu_out)
 # smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run);
-# bench: build + the benchmark suites; full: all of it. The machine has no network: it builds with the
+# bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
 # .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
 set -uo pipefail
@@ -46,6 +46,21 @@ if [[ $mode == test || $mode == full ]]; then
   python3 -m pytest -q -x -p no:cacheprovider -n 8 --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
   tail -25 "$OUT/pytest.log"
+fi
+
+if [[ $mode == profile ]]; then
+  step "ncu: kernel durations (cold L2 per launch) and source-level stall sampling"
+  ncu --clock-control none --cache-control all -k regex:attn_res_per_token --metrics gpu__time_duration.sum \
+    --csv python3 tools/profile_kernel.py sweep >"$OUT/ncu_durations.csv" 2>&1 || status=1
+  grep -E "attn_res|Kernel" "$OUT/ncu_durations.csv" | cut -c1-220 | tail -20
+  for n in 2 9; do
+    ncu --clock-control none --cache-control all -k regex:attn_res_per_token -c 1 --set full \
+      --import-source no --page source --print-source sass --csv python3 tools/profile_kernel.py one $n \
+      >"$OUT/ncu_source_n$n.csv" 2>&1 || status=1
+    ncu --clock-control none --cache-control all -k regex:attn_res_per_token -c 1 --set full \
+      python3 tools/profile_kernel.py one $n >"$OUT/ncu_details_n$n.txt" 2>&1 || status=1
+  done
+  grep -E "Duration|Stall|Warp Cycles|Issued|Eligible" "$OUT/ncu_details_n9.txt" | head -20
 fi
 
 if [[ $mode == smoke ]]; then
