@@ -52,7 +52,13 @@ if [[ $mode == profile ]]; then
   step "ncu: kernel durations (cold L2 per launch) and source-level stall sampling"
   ncu --clock-control none --cache-control all -k regex:attn_res_per_token --metrics gpu__time_duration.sum \
     --csv python3 tools/profile_kernel.py sweep >"$OUT/ncu_durations.csv" 2>&1 || status=1
-  grep -E "attn_res|Kernel" "$OUT/ncu_durations.csv" | cut -c1-220 | tail -20
+  python3 - "$OUT/ncu_durations.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1]).read().splitlines()) if len(r) > 14 and r[12] == "gpu__time_duration.sum"]
+for r in rows:
+    print(f"{r[4].split('(')[0][-45:]:45s} block {r[7]:12s} grid {r[8]:12s} {r[14]} ns")
+PY
+  [[ ${PROFILE_SOURCE:-1} == 1 ]] || exit $status
   for n in 2 9; do
     ncu --clock-control none --cache-control all -k regex:attn_res_per_token -c 1 --set full \
       --import-source no --page source --print-source sass --csv python3 tools/profile_kernel.py one $n \

@@ -6,10 +6,10 @@
 
 namespace attnres::tuning {
 
-// Compile-time buckets of N the per-token kernels are instantiated for (registers per thread scale with
-// the bucket; N itself is a runtime value <= the bucket).
-constexpr int32_t kCandidateBuckets[] = {4, 8, 12, 16};
-constexpr int kNumCandidateBuckets = 4;
+// Compile-time buckets of N the per-token kernels are instantiated for (registers and instructions per
+// thread scale with the bucket; N itself is a runtime value <= the bucket). Kimi K3's sites use N = 2..9.
+constexpr int32_t kCandidateBuckets[] = {2, 4, 6, 9, 12, 16};
+constexpr int kNumCandidateBuckets = 6;
 
 // single_cta keeps a token's N rows in one block's registers, one 16-byte vector per thread and row:
 // 1024 threads (the block limit) x 8 elements bounds H to 8192, and the 64-register cap of a 1024-thread

@@ -19,16 +19,21 @@ using KernelFn = void (*)(PerTokenParams);
 
 template <Mode M, bool CLUSTER>
 KernelFn by_bucket(int max_candidates) {
+  // The buckets of plan_tuning.hpp. single_cta is planned for N <= 4 only: a 1024-thread block has 64
+  // registers per thread (the N <= 8 instance spilled 160 bytes).
   switch (max_candidates) {
+    case 2: return attn_res_per_token_kernel<2, M, CLUSTER>;
     case 4: return attn_res_per_token_kernel<4, M, CLUSTER>;
     default: break;
   }
-  // single_cta is planned for N <= 4 only: a 1024-thread block has 64 registers per thread, and the
-  // N <= 8 instance spilled (ptxas: 160 bytes).
   if constexpr (CLUSTER) {
-    if (max_candidates == 8) return attn_res_per_token_kernel<8, M, true>;
-    if (max_candidates == 12) return attn_res_per_token_kernel<12, M, true>;
-    if (max_candidates == 16) return attn_res_per_token_kernel<16, M, true>;
+    switch (max_candidates) {
+      case 6: return attn_res_per_token_kernel<6, M, true>;
+      case 9: return attn_res_per_token_kernel<9, M, true>;
+      case 12: return attn_res_per_token_kernel<12, M, true>;
+      case 16: return attn_res_per_token_kernel<16, M, true>;
+      default: break;
+    }
   }
   return nullptr;
 }
@@ -83,7 +88,7 @@ PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
   p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
   p.vectors = static_cast<int32_t>(H / 8);
   p.chunk = (p.vectors + plan.cluster - 1) / plan.cluster;
-  p.hidden = static_cast<float>(H);
+  p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
   p.rms_eps = static_cast<float>(a.rms_eps);
   p.norm_eps = static_cast<float>(a.norm_eps);
   return p;

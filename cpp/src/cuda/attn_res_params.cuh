@@ -40,7 +40,7 @@ struct PerTokenParams {
   int32_t snapshots;   // K (N = K + 1)
   int32_t vectors;     // H / 8
   int32_t chunk;       // vectors owned by one block of the cluster
-  float hidden;        // H as float (the mean's divisor)
+  float inv_hidden;    // 1 / H (the mean as a product: no division, whose slow-path branch breaks ILP)
   float rms_eps, norm_eps;
 };
 

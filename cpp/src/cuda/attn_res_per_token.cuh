@@ -113,11 +113,13 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   grid_dependency_wait();
 
   // ---- the newest bank row, the prefix and the addends ----
+  {
+    // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch.
+    const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n) {
-    // rows[n] is zero here when n + 1 == K, and `newest` is zero otherwise: OR merges without a branch.
-    const uint4 newest = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 == K);
-    rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
+    for (int n = 0; n < NMAX; ++n)
+      if (n + 1 == K)
+        rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
   }
   uint4 prefix = load16_if(p.layer_residual + token * p.lr_stride + col, valid);
   if constexpr (kAdd) {
@@ -149,7 +151,11 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
 #pragma unroll
     for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];  // rms_weight * res_weight in fp32, never rounded
   }
-  float part[2 * NMAX];
+  constexpr int kValues = 2 * NMAX;  // (sumsq, dot) per candidate
+  constexpr int kPadded = kValues <= 8 ? 8 : kValues <= 16 ? 16 : 32;
+  float part[kPadded];
+#pragma unroll
+  for (int i = kValues; i < kPadded; ++i) part[i] = 0.0f;
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) {
     float x[8];
@@ -164,58 +170,59 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     part[2 * n + 1] = dot;
   }
 
-  // ---- reduce: warp (butterfly), block (warps in order), cluster (ranks in order) ----
-  // Unconditional over the bucket (values past N are zeros): the shuffle chains interleave.
-#pragma unroll
-  for (int i = 0; i < 2 * NMAX; ++i) part[i] = warp_sum(part[i]);
-  if (lane == 0) {
-#pragma unroll
-    for (int i = 0; i < 2 * NMAX; ++i) warp_part[warp][i] = part[i];
+  // ---- reduce: warp (reduce-scatter), block (warps in order), cluster (ranks in order) ----
+  {
+    constexpr int kLanesPerValue = 32 / kPadded;
+    const float sum = warp_reduce_scatter<kPadded>(part, lane);
+    const int index = lane / kLanesPerValue;
+    if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
   }
   __syncthreads();
   if constexpr (CLUSTER) {
     cluster_wait();  // every peer's mbarriers are initialised
     if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
     if (tid < 2 * N)
-      push_to_ranks(&recv_part[rank][tid], &bars[0], sum_over_warps<kMaxWarps>(&warp_part[0][tid], 2 * NMAX, warps),
+      push_to_ranks(&recv_part[rank][tid], &bars[0], sum_over_warps<kMaxWarps>(&warp_part[0][tid], kValues, warps),
                     ranks);
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
-    if (tid < 2 * N) totals[tid] = sum_over_ranks(&recv_part[0][tid], 2 * NMAX, ranks);
+    if (tid < 2 * N) totals[tid] = sum_over_ranks(&recv_part[0][tid], kValues, ranks);
   } else {
-    if (tid < 2 * N) totals[tid] = sum_over_warps<kMaxWarps>(&warp_part[0][tid], 2 * NMAX, warps);
+    if (tid < 2 * N) totals[tid] = sum_over_warps<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
 
   // ---- softmax over the N candidates, computed identically by every thread of every block ----
-  float prob[NMAX];
+  // Branch-free over the bucket (n >= N gets logit -inf, probability 0) so the N chains overlap; rsqrt and
+  // exp are the MUFU approximations (<= 2 ulp near 0), the mean a product with 1/H.
+  float rsigma[NMAX], logit[NMAX], prob[NMAX];
   float max_logit = -INFINITY;
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n)
-    if (n < N) {
-      const float rsigma = 1.0f / sqrtf(totals[2 * n] / p.hidden + p.rms_eps);
-      prob[n] = rsigma * totals[2 * n + 1];  // the logit, for now
-      max_logit = fmaxf(max_logit, prob[n]);
-    }
+  for (int n = 0; n < NMAX; ++n) {
+    const float ss = n < N ? totals[2 * n] : 1.0f, dot = n < N ? totals[2 * n + 1] : 0.0f;
+    rsigma[n] = rsqrtf(fmaf(ss, p.inv_hidden, p.rms_eps));
+    logit[n] = n < N ? rsigma[n] * dot : -INFINITY;
+    max_logit = fmaxf(max_logit, logit[n]);
+  }
   float denom = 0.0f;
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n)
-    if (n < N) {
-      prob[n] = expf(prob[n] - max_logit);
-      denom += prob[n];
-    }
+  for (int n = 0; n < NMAX; ++n) {
+    prob[n] = __expf(logit[n] - max_logit);
+    denom += prob[n];
+  }
+  const float inv_denom = 1.0f / denom;
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n)
-    if (n < N) prob[n] = prob[n] / denom;
+  for (int n = 0; n < NMAX; ++n) prob[n] *= inv_denom;
 
   if constexpr (MODE == Mode::mix) {
-    // fp32 diagnostics, written by the cluster's first block; recomputed from the same sums with the same
-    // expressions as above, so they are the values the mixture used.
+    // fp32 diagnostics, written by the cluster's first block: the values the mixture used.
     if (rank == 0 && tid < N && p.rsigma) {
-      const float rsigma = 1.0f / sqrtf(totals[2 * tid] / p.hidden + p.rms_eps);
-      const float logit = rsigma * totals[2 * tid + 1];
-      p.rsigma[tid * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma;
-      p.logits[tid * p.logits_stride[0] + token * p.logits_stride[1]] = logit;
-      p.probs[tid * p.probs_stride[0] + token * p.probs_stride[1]] = expf(logit - max_logit) / denom;
+#pragma unroll
+      for (int n = 0; n < NMAX; ++n)
+        if (n == tid) {
+          p.rsigma[n * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma[n];
+          p.logits[n * p.logits_stride[0] + token * p.logits_stride[1]] = logit[n];
+          p.probs[n * p.probs_stride[0] + token * p.probs_stride[1]] = prob[n];
+        }
     }
   }
 
@@ -223,14 +230,15 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   float mix[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   uint4 mixed = make_uint4(0, 0, 0, 0);
   if (valid) {
+    // Unconditional over the bucket: past N the probability and the row are zero, and a sum that starts at
+    // +0 is unchanged by +0 (no -0 can arise under round-to-nearest).
 #pragma unroll
-    for (int n = 0; n < NMAX; ++n)
-      if (n < N) {
-        float x[8];
-        unpack8(n < K ? rows[n] : prefix, x);
+    for (int n = 0; n < NMAX; ++n) {
+      float x[8];
+      unpack8(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), x);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
-      }
+      for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
+    }
     mixed = pack8(mix);
     unpack8(mixed, mix);  // from here on the mixture is its bf16 value
     if constexpr (MODE == Mode::mix) {
@@ -262,7 +270,7 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
       total = block_sq;
     }
     if (valid) {
-      const float r = 1.0f / sqrtf(total / p.hidden + p.norm_eps);
+      const float r = rsqrtf(fmaf(total, p.inv_hidden, p.norm_eps));
       float w[8], o[8];
       unpack8(norm_w, w);
 #pragma unroll

@@ -114,6 +114,30 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// Warp reduce-scatter of M values per lane (M a power of two, <= 32): afterwards lane l holds the warp's sum of
+// value index l / (32 / M). Each level halves the values a lane carries (M/2 + M/4 + ... shuffles instead of
+// 5 per value); once one value is left, butterfly levels finish the sum. A fixed tree: deterministic, and
+// lanes holding the same index hold the same bits (each pairwise add is commutative).
+template <int M, int OFFSET = 16>
+__device__ __forceinline__ float warp_reduce_scatter(const float (&v)[M], int lane) {
+  if constexpr (M == 1) {
+    float x = v[0];
+#pragma unroll
+    for (int o = OFFSET; o >= 1; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+  } else {
+    const bool upper = (lane & OFFSET) != 0;
+    float next[M / 2];
+#pragma unroll
+    for (int i = 0; i < M / 2; ++i) {
+      const float send = upper ? v[i] : v[i + M / 2];
+      const float keep = upper ? v[i + M / 2] : v[i];
+      next[i] = keep + __shfl_xor_sync(0xffffffffu, send, OFFSET);
+    }
+    return warp_reduce_scatter<M / 2, OFFSET / 2>(next, lane);
+  }
+}
+
 // Butterfly sum over the 32 lanes: a fixed tree, and every lane ends with the same bits (each pairwise add
 // is commutative, so lane i and lane i^m compute the same value at every level).
 __device__ __forceinline__ float warp_sum(float v) {

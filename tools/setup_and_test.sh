@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up from nothing (tools/common.sh) and run every test: the GoogleTest suites and the consumer check
+# through ctest, then pytest. Exits non-zero if any step or any test fails.
+#   tools/setup_and_test.sh                     # CI and development machines
+#   ATTNRES_NO_VENV=1 tools/setup_and_test.sh   # the GPU machine (offline, preinstalled deps)
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+# gtest for the C++ suites; ninja so CMake does not fall back to make.
+setup libgtest-dev ninja-build
+
+# The C++ tests build the library on their own (static, with install rules for the consumer check); the
+# CUDA choice follows the package build's unless ATTNRES_CTEST_CUDA says otherwise.
+CTEST_BUILD=build/ctest
+build_cpp_tests() {
+  cmake -S . -B "$CTEST_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTNRES_BUILD_TESTS=ON \
+    -DATTNRES_CUDA="${ATTNRES_CTEST_CUDA:-$ATTNRES_CUDA}" -DCMAKE_CUDA_ARCHITECTURES="$CMAKE_CUDA_ARCHITECTURES"
+  cmake --build "$CTEST_BUILD" --parallel "$JOBS"
+}
+timed ctest-build build_cpp_tests
+
+# Run both suites even when the first fails, so one CI run reports everything.
+status=0
+timed ctest ctest --test-dir "$CTEST_BUILD" --output-on-failure -j "$JOBS" || status=1
+# pytest-xdist spreads the tests over the cores; the GPU machine may not have it (nothing installable there).
+xdist=()
+"$PYTHON" -c 'import xdist' 2>/dev/null && xdist=(-n "$JOBS")
+timed pytest "$PYTHON" -m pytest -q "${xdist[@]}" tests || status=1
+[ $status -eq 0 ] && log "all tests passed" || log "FAILED (see above)"
+exit $status
