@@ -24,7 +24,7 @@ if ! python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log
 fi
 python3 -c "import attnres; print(attnres.backend_info())"
 
-if [[ $mode == smoke || $mode == full ]]; then
+if [[ $mode == smoke || $mode == full || $mode == bench ]]; then
   step "SASS of the kernels (for reading load batching and barriers)"
   so=$(python3 -c "import attnres._C as c; print(c.__file__)")
   cuobjdump -sass "$so" >"$OUT/sass.txt" 2>&1 || true

@@ -29,7 +29,7 @@ def main():
                 if kernel == "single_cta" and N > 4:
                     continue
                 call(1, N, 7168, kernel)
-        for c in (4, 8, 16):
+        for c in (4, 7, 8):
             call(1, 9, 7168, "split_k", c)
     else:
         call(1, int(sys.argv[2]), 7168, sys.argv[3] if len(sys.argv) > 3 else "split_k")

@@ -12,8 +12,12 @@ setup libgtest-dev ninja-build
 # CUDA choice follows the package build's unless ATTNRES_CTEST_CUDA says otherwise.
 CTEST_BUILD=build/ctest
 build_cpp_tests() {
+  local extra=()
+  # The GPU machine cannot apt-get GoogleTest: a prebuilt copy may be carried in .gpu_carry/gtest.
+  [ -d .gpu_carry/gtest ] && extra+=(-DCMAKE_PREFIX_PATH="$REPO_ROOT/.gpu_carry/gtest")
   cmake -S . -B "$CTEST_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DATTNRES_BUILD_TESTS=ON \
-    -DATTNRES_CUDA="${ATTNRES_CTEST_CUDA:-$ATTNRES_CUDA}" -DCMAKE_CUDA_ARCHITECTURES="$CMAKE_CUDA_ARCHITECTURES"
+    -DATTNRES_CUDA="${ATTNRES_CTEST_CUDA:-$ATTNRES_CUDA}" -DCMAKE_CUDA_ARCHITECTURES="$CMAKE_CUDA_ARCHITECTURES" \
+    "${extra[@]}"
   cmake --build "$CTEST_BUILD" --parallel "$JOBS"
 }
 timed ctest-build build_cpp_tests

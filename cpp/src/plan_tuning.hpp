@@ -20,27 +20,34 @@ constexpr int64_t kSingleCtaMaxCandidates = 4;
 // split_k blocks are compiled for at most 256 threads (so the N = 16 bucket keeps its 64 registers of row
 // data without spilling); H = 16384 fits a cluster of 8.
 constexpr int64_t kSplitKMaxThreads = 256;
-// Portable cluster limit is 8; Hopper allows 16 with the non-portable attribute (set by the launcher).
-constexpr int32_t kMaxCluster = 16;
+// Clusters are at most the portable 8 blocks: 16 (non-portable) was measured no faster on the H200
+// (T = 1, N = 9, H = 7168: 3.60 us vs 3.59 us at 8; docs/performance.md).
+constexpr int32_t kMaxCluster = 8;
 
 // Grid x is T * cluster blocks (< 2^31).
 constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;
 
-// single_cta vs split_k (automatic choice). Starting point: the reference stacks' N <= 4 boundary;
-// replaced by the H200 measurement in docs/performance.md.
+// single_cta vs split_k (automatic choice). Measured on the H200 (add2, H = 7168, CUDA-graph replay, cold
+// L2): split_k is faster at every point, N = 2 included (T = 1: 3.16 us vs 4.15 us; T = 8: 3.29 vs 4.28;
+// T = 32: 3.93 vs 4.50): one SM cannot keep a token's rows in flight as fast as 7-8 SMs do. single_cta
+// stays available by force (Options.kernel) for comparison.
 inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden) {
   (void)tokens;
+  (void)candidates;
   (void)hidden;
-  return candidates <= 4;
+  return false;
 }
 
-// split_k cluster size: enough blocks that each owns at most 128 vectors (1024 elements), capped at the
-// portable 8.
-inline int32_t split_k_cluster(int64_t hidden) {
+// split_k cluster size: enough blocks that each owns at most 128 vectors (1024 elements); for small grids
+// (T <= 8) and H >= 4096, the full 8 blocks (more SMs per token while the GPU is mostly idle). Measured at
+// H = 7168: T <= 8 favours 8 blocks (T = 1, N = 9: 3.59 us vs 3.66 us at 7), T = 32 favours 7 (5.37 us vs
+// 5.76 us).
+inline int32_t split_k_cluster(int64_t tokens, int64_t hidden) {
   const int64_t vecs = hidden / 8;
   int64_t c = (vecs + 127) / 128;
+  if (tokens <= 8 && hidden >= 4096) c = 8;
   if (c < 1) c = 1;
-  if (c > 8) c = 8;
+  if (c > kMaxCluster) c = kMaxCluster;
   return static_cast<int32_t>(c);
 }
 

@@ -9,6 +9,7 @@ from . import _C
 from ._C import ArgumentError, CudaError, UnsupportedError
 from ._C import Error as AttnResError
 from .ops import attn_res, attn_res_add_rmsnorm, attn_res_add_rmsnorm_persistent, attn_res_rmsnorm
+from .moe import moe_finalize, supports_fused_moe_finalize
 from .options import Options
 from .planning import PlanInfo, backend_info, plan
 
@@ -26,5 +27,7 @@ __all__ = [
     "attn_res_add_rmsnorm_persistent",
     "attn_res_rmsnorm",
     "backend_info",
+    "moe_finalize",
     "plan",
+    "supports_fused_moe_finalize",
 ]

@@ -26,8 +26,8 @@ class Options:
             raise ValueError(f"Options.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if not isinstance(self.split_max_tokens, int) or self.split_max_tokens < 0:
             raise ValueError(f"Options.split_max_tokens must be an int >= 0, got {self.split_max_tokens!r}")
-        if not isinstance(self.cluster, int) or not 0 <= self.cluster <= 16:
-            raise ValueError(f"Options.cluster must be an int in [0, 16], got {self.cluster!r}")
+        if not isinstance(self.cluster, int) or not 0 <= self.cluster <= 8:
+            raise ValueError(f"Options.cluster must be an int in [0, 8], got {self.cluster!r}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"Options.pdl must be a bool, got {self.pdl!r}")
 

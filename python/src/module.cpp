@@ -37,6 +37,8 @@ std::vector<int64_t> dims(const int64_t* v, int n) { return std::vector<int64_t>
 
 }  // namespace
 
+void bind_moe_finalize(nanobind::module_&);
+
 NB_MODULE(_C, m) {
   m.doc() = "attnres C++ library bindings (internal: use the attnres package)";
   m.attr("__version__") = ATTNRES_VERSION;
@@ -160,4 +162,5 @@ NB_MODULE(_C, m) {
   m.def("plan_call", [](AttnResOp op, const AttnResArgs& a, const Options& o) { return plan(op, a, o); });
   // The GIL is released: the CPU backend computes, the CUDA backend only enqueues.
   m.def("run", &run, nb::arg("op"), nb::arg("args"), nb::arg("options"), nb::call_guard<nb::gil_scoped_release>());
+  bind_moe_finalize(m);
 }

@@ -4,5 +4,6 @@
 #include "attnres/attn_res.hpp"
 #include "attnres/device.hpp"
 #include "attnres/error.hpp"
+#include "attnres/moe_finalize.hpp"
 #include "attnres/tensor.hpp"
 #include "attnres/version.hpp"

@@ -4,8 +4,6 @@
 // in CUDA graphs.
 #include <cuda_runtime.h>
 
-#include <mutex>
-
 #include "backend.hpp"
 #include "cuda/attn_res_per_token.cuh"
 #include "cuda/cuda_check.cuh"
@@ -116,15 +114,6 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
-// Clusters above the portable 8 blocks need an opt-in per kernel (Hopper schedules up to 16).
-void allow_large_cluster(KernelFn kernel) {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  cuda_check(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
-                                  cudaFuncAttributeNonPortableClusterSizeAllowed, 1),
-             "cudaFuncSetAttribute(NonPortableClusterSizeAllowed)");
-}
-
 }  // namespace
 
 void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
@@ -136,7 +125,6 @@ void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
                            kernel_name(plan.kernel) + ", N bucket " + std::to_string(plan.max_candidates) + ")");
   const PerTokenParams params = make_params(a, plan);
   DeviceGuard guard(a.layer_residual.device.index);
-  if (cluster && plan.cluster > 8) allow_large_cluster(kernel);
 
   cudaLaunchAttribute attrs[2];
   unsigned n_attrs = 0;

@@ -28,7 +28,7 @@
 
 namespace attnres::detail {
 
-constexpr int kMaxClusterRanks = 16;
+constexpr int kMaxClusterRanks = 8;  // the portable cluster limit (plan_tuning.hpp kMaxCluster)
 constexpr int kSingleCtaMaxThreads = 1024;
 constexpr int kSplitKMaxThreads = 256;
 

@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import decode, floors, results, tune
+from . import decode, finalize, floors, results, tune
 
 
 def _progress_printer():
@@ -30,7 +30,7 @@ def _progress_printer():
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
-    p.add_argument("suite", choices=["decode", "tune", "floors", "all"], help="which sweep to run")
+    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "all"], help="which sweep to run")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
     p.add_argument("--out", default="bench_results.json", help="results file (JSON)")
     p.add_argument("--commit", default=None, help="commit the numbers belong to (default: git HEAD)")
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
                                   repeats=args.repeats)
         if args.suite in ("tune", "all"):
             records += tune.run(quick=args.quick, progress=progress)
+        if args.suite in ("finalize", "all"):
+            records += finalize.run(quick=args.quick, progress=progress, repeats=args.repeats)
     finally:
         if prog:
             prog.stop()

@@ -14,7 +14,7 @@ def configs(H: int, N: int) -> dict[str, attnres.Options]:
     out = {}
     if H <= 8192 and N <= 4:
         out["single_cta"] = attnres.Options(kernel="single_cta")
-    for c in (2, 4, 7, 8, 16):
+    for c in (2, 3, 4, 7, 8):
         if H // 8 // c >= 8 and (H // 8 + c - 1) // c <= 256:
             out[f"split_k/c{c}"] = attnres.Options(kernel="split_k", cluster=c)
     return out

@@ -1,0 +1,421 @@
+"""The residual stream's sites: the snapshot bank, the eager and fused paths of an attention-residual site, the
+pending MoE tail and its fold into the next consumer, the materialize-first decisions, and the path record.
+
+Everything here calls only the public attnres API (attnres.plan, attn_res, attn_res_rmsnorm,
+attn_res_add_rmsnorm). The decisions are pure functions of (settings, T, N, H, device, what the site needs)
+and ask attnres.plan whenever the question is "would the library take this call" — they never restate the
+library's rules.
+
+Why the fold is bitwise invisible: the fused add2 path runs only where the fold-off chain would run the fused
+no-add op on the same kernel; the op's contract makes `attn_res_add_rmsnorm(prefix, routed, add2=shared)`
+equal, bit for bit, `attn_res_rmsnorm(prefix + (routed + shared))`. Everywhere else the tail is materialized
+first by the same two bf16 adds the eager chain does, and the site then runs exactly the code the fold-off
+chain runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+import attnres
+from attnres import knobs as _knobs
+from attnres.options import TOPOLOGIES, Options
+
+from .config import BANK_LAYOUTS, MAX_CANDIDATES
+
+log = logging.getLogger("attnres.models.kimi_k3")
+
+BF16 = torch.bfloat16
+
+# Paths a site (or a MoE tail) can take; SitePath.path holds one of these.
+RMSNORM = "rmsnorm"  # no snapshot yet: a plain RMSNorm of the prefix (torch), no mixing
+FUSED = "fused"  # attnres.attn_res_rmsnorm (mixing + norm in one op; tap from the op)
+FUSED_ADD = "fused_add"  # attnres.attn_res_add_rmsnorm with one addend (pre-MLP sites)
+FUSED_ADD2 = "fused_add2"  # the fold: attn_res_add_rmsnorm(prefix, routed, layer_residual_add2=shared)
+EAGER = "eager"  # torch bf16 adds, attnres.attn_res for the mixture, torch two-rounding RMSNorm
+MATERIALIZE = "materialize"  # a pending tail summed first, prefix + (routed + shared); the site's path follows
+DEFER = "defer"  # a MoE layer left its tail pending
+SUM = "sum"  # a MoE layer summed its tail itself (fold off)
+
+# Why a site materializes first (or runs eager).
+TAP = "tap"  # the kernel cannot emit the pre-norm mixture the capture needs
+NO_SNAPSHOTS = "no_snapshots"  # the consumer has no snapshot yet (a plain RMSNorm, no attnres op)
+TOPOLOGY = "topology"  # the persistent topology: the plan declines add2 (or the tap / snapshot write)
+MAX_CANDIDATES_REASON = "max_candidates"  # N above the fold's per-token limit
+FINAL_CAPTURE = "final_capture"  # the last layer is captured: its tap is taken at the output site
+WINDOW = "window"  # T above KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS
+DEVICE = "device"  # the plan declines the fused path on this device / for these options
+KERNEL = "kernel"  # the add2 op would run another kernel than the unfused site (not bitwise-safe)
+FUSED_OFF = "fused_off"  # KIMI_K3_FUSED_ATTN_RES=0
+DTYPE = "dtype"  # the tail is not bf16
+HIDDEN = "hidden"  # H outside the ops' range
+
+SITE_KINDS = ("pre_attn", "pre_mlp", "moe_tail", "output")
+
+
+# ------------------------------------------------------------------------------------------------ settings
+@dataclass(frozen=True)
+class ResidualSettings:
+    """How the sites run. from_knobs() takes the values read once at import (attnres.knobs.CURRENT); a model
+    instance may carry its own (tests force each decision through these)."""
+
+    fold: bool = False  # KIMI_K3_MOE_TAIL_ADD_FOLD
+    fused: bool = True  # KIMI_K3_FUSED_ATTN_RES
+    max_tokens: int = 32  # KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS
+    topology: str = "per_token"  # KIMI_K3_ATTN_RES_TOPOLOGY
+    aux_stream: bool = True  # KIMI_K3_AUX_ATTN_RES_STREAM: taps hold the pre-norm mixture (else the raw prefix)
+    kernel: str = "auto"  # Options.kernel of the fused sites (forcing one a device lacks makes the plan decline)
+    pdl: bool = True
+    kernel_emits_tap: bool = True  # attnres kernels emit the tap; False models a kernel that cannot
+    fold_max_candidates: int = MAX_CANDIDATES  # the fold's per-token N limit
+
+    def __post_init__(self):
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"ResidualSettings.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise ValueError(f"ResidualSettings.max_tokens must be an int >= 0, got {self.max_tokens!r}")
+        if not 1 <= self.fold_max_candidates <= MAX_CANDIDATES:
+            raise ValueError(f"ResidualSettings.fold_max_candidates must be in [1, {MAX_CANDIDATES}], "
+                             f"got {self.fold_max_candidates}")
+        Options(kernel=self.kernel)  # validates the kernel name
+
+    @classmethod
+    def from_knobs(cls, knobs: _knobs.Knobs | None = None, **overrides) -> "ResidualSettings":
+        k = knobs or _knobs.CURRENT
+        kw = dict(fold=k.moe_tail_add_fold, fused=k.fused_attn_res, max_tokens=k.fused_attn_res_max_tokens,
+                  topology=k.attn_res_topology, aux_stream=k.aux_attn_res_stream)
+        kw.update(overrides)
+        return cls(**kw)
+
+    @functools.cached_property
+    def options(self) -> Options:
+        """Options of the fused sites: the topology, and the per-token ceiling of the split topology."""
+        return Options(topology=self.topology, split_max_tokens=self.max_tokens, pdl=self.pdl, kernel=self.kernel)
+
+    @functools.cached_property
+    def eager_options(self) -> Options:
+        """Options of the eager path's mixing op: the library's own choice of kernel."""
+        return Options(pdl=self.pdl)
+
+    def routes_persistent(self, tokens: int) -> bool:
+        """Whether these options send a call with `tokens` tokens to the persistent kernel (labels a plan's
+        decline as topology rather than device; the decision itself is the plan's)."""
+        if self.kernel == "persistent":
+            return True
+        if self.kernel != "auto":
+            return False
+        return self.topology == "persistent" or (self.topology == "split" and tokens > self.max_tokens)
+
+
+# ------------------------------------------------------------------------------------------------ plan
+@functools.lru_cache(maxsize=8192)
+def _plan(op: str, tokens: int, candidates: int, hidden: int, device: str, add: bool, add2: bool, tap: bool,
+          snapshot: bool, options: Options) -> attnres.PlanInfo:
+    return attnres.plan(op, tokens=tokens, candidates=candidates, hidden=hidden, device=device, add=add,
+                        add2=add2, tap=tap, snapshot=snapshot, options=options)
+
+
+def _device_key(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return str(device)
+
+
+class Route(NamedTuple):
+    path: str
+    kernel: str = ""  # the kernel the plan chose (eager: the mixing op's kernel)
+    reason: str = ""  # one of the reason labels above
+    detail: str = ""  # the plan's decline text, when there is one
+
+
+def _eager_route(settings: ResidualSettings, tokens: int, candidates: int, hidden: int, device: str, reason: str,
+                 detail: str = "") -> Route:
+    p = _plan("attn_res", tokens, candidates, hidden, device, False, False, False, False, settings.eager_options)
+    return Route(EAGER, p.kernel or "declined", reason, detail)
+
+
+def site_route(settings: ResidualSettings, *, tokens: int, candidates: int, hidden: int, device, add: bool,
+               tap: bool) -> Route:
+    """The path of a site whose prefix is materialized — the path the fold-off chain takes there. `add`: the site
+    adds one addend (pre-MLP); `tap`: the site must emit the pre-norm mixture."""
+    dev = _device_key(device)
+    if candidates == 1 and not add:
+        return Route(RMSNORM, "torch", NO_SNAPSHOTS)
+    if not settings.fused:
+        return _eager_route(settings, tokens, candidates, hidden, dev, FUSED_OFF)
+    if settings.topology == "per_token" and tokens > settings.max_tokens:
+        return _eager_route(settings, tokens, candidates, hidden, dev, WINDOW)
+    if tap and not settings.kernel_emits_tap:
+        return _eager_route(settings, tokens, candidates, hidden, dev, TAP)
+    op = "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
+    p = _plan(op, tokens, candidates, hidden, dev, add, False, tap, False, settings.options)
+    if p.accepted:
+        return Route(FUSED_ADD if add else FUSED, p.kernel)
+    reason = TOPOLOGY if settings.routes_persistent(tokens) else DEVICE
+    return _eager_route(settings, tokens, candidates, hidden, dev, reason, p.decline)
+
+
+def fold_route(settings: ResidualSettings, *, tokens: int, candidates: int, hidden: int, device, tap: bool,
+               snapshot: bool, final_capture: bool = False) -> Route:
+    """FUSED_ADD2 when the consumer may take a pending tail in its kernel, else MATERIALIZE with the reason.
+    The fold runs only where the unfused site would run the fused op on the same kernel."""
+    if candidates == 1:
+        return Route(MATERIALIZE, reason=NO_SNAPSHOTS)
+    base = site_route(settings, tokens=tokens, candidates=candidates, hidden=hidden, device=device, add=False,
+                      tap=tap)
+    if base.path != FUSED:
+        return Route(MATERIALIZE, reason=base.reason, detail=base.detail)
+    if candidates > settings.fold_max_candidates:
+        return Route(MATERIALIZE, reason=MAX_CANDIDATES_REASON,
+                     detail=f"N = {candidates} > {settings.fold_max_candidates}")
+    if final_capture:
+        return Route(MATERIALIZE, reason=FINAL_CAPTURE)
+    p = _plan("attn_res_add_rmsnorm", tokens, candidates, hidden, _device_key(device), True, True, tap, snapshot,
+              settings.options)
+    if not p.accepted:
+        return Route(MATERIALIZE, reason=TOPOLOGY if settings.routes_persistent(tokens) else DEVICE,
+                     detail=p.decline)
+    if p.kernel != base.kernel:
+        return Route(MATERIALIZE, reason=KERNEL, detail=f"add2 would run {p.kernel}, the unfused site {base.kernel}")
+    return Route(FUSED_ADD2, p.kernel)
+
+
+def tail_route(settings: ResidualSettings, *, tokens: int, hidden: int, dtype: torch.dtype) -> Route:
+    """What a MoE layer does with its tail: DEFER (return a PendingTail), SUM (fold off), or MATERIALIZE (fold
+    on, but the tail is outside the fused window: the layer sums it as the eager chain does)."""
+    if not settings.fold:
+        return Route(SUM)
+    if not settings.fused:
+        return Route(MATERIALIZE, reason=FUSED_OFF)
+    if tokens > settings.max_tokens:
+        return Route(MATERIALIZE, reason=WINDOW, detail=f"T = {tokens} > {settings.max_tokens}")
+    if dtype != BF16:
+        return Route(MATERIALIZE, reason=DTYPE)
+    if hidden % 8 or not 8 <= hidden <= 16384:
+        return Route(MATERIALIZE, reason=HIDDEN)
+    return Route(DEFER)
+
+
+# ------------------------------------------------------------------------------------------------ record
+@dataclass(frozen=True)
+class SitePath:
+    site: str  # "layer12.pre_attn", "layer5.pre_mlp", "layer5.moe_tail", "output"
+    path: str
+    tokens: int
+    candidates: int
+    kernel: str = ""
+    reason: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.site.rsplit(".", 1)[-1]
+
+
+class PathRecord:
+    """Every site's decision, in call order (tests read `entries`), and one debug log line per distinct
+    (site, path, T, N)."""
+
+    def __init__(self, keep: bool = True):
+        self.keep = keep
+        self.entries: list[SitePath] = []
+        self._logged: set[tuple[str, str, int, int]] = set()
+
+    def add(self, site: str, route: Route, tokens: int, candidates: int) -> None:
+        entry = SitePath(site, route.path, tokens, candidates, route.kernel, route.reason)
+        if self.keep:
+            self.entries.append(entry)
+        key = (site, route.path, tokens, candidates)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.debug("%s: %s (T=%d, N=%d%s%s%s)", site, route.path, tokens, candidates,
+                      f", kernel {route.kernel}" if route.kernel else "", f", {route.reason}" if route.reason else "",
+                      f": {route.detail}" if route.detail else "")
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def select(self, *, path: str | None = None, reason: str | None = None, kind: str | None = None,
+               site: str | None = None) -> list[SitePath]:
+        return [e for e in self.entries
+                if (path is None or e.path == path) and (reason is None or e.reason == reason)
+                and (kind is None or e.kind == kind) and (site is None or e.site == site)]
+
+    def summary(self) -> Counter:
+        """Count of (site kind, path, kernel, reason)."""
+        return Counter((e.kind, e.path, e.kernel, e.reason) for e in self.entries)
+
+
+# ------------------------------------------------------------------------------------------------ tensors
+class PendingTail(NamedTuple):
+    """A MoE layer's tail, not yet added: the carried prefix is prefix + (routed + shared)."""
+
+    prefix: Tensor
+    routed: Tensor
+    shared: Tensor
+
+    def materialize(self) -> Tensor:
+        """The eager chain's two bf16 adds, in its order: moe = routed + shared, then prefix + moe."""
+        return self.prefix + (self.routed + self.shared)
+
+
+@dataclass
+class SiteWeights:
+    """One attention-residual site: the pseudo-query (the Linear(H, 1) weight), the scoring RMSNorm's gain, and
+    the RMSNorm after the mixture."""
+
+    res_weight: Tensor
+    rms_weight: Tensor
+    norm_weight: Tensor
+    rms_eps: float
+    norm_eps: float
+
+    def args(self) -> tuple:
+        return (self.res_weight, self.rms_weight, self.norm_weight, self.rms_eps, self.norm_eps)
+
+
+class SnapshotBank:
+    """The preallocated snapshot bank: [Kmax, T, H] (snapshot-major) or [T, Kmax, H] (token-major). Candidate
+    views are strided slices of it; rows are written in place."""
+
+    def __init__(self, storage: Tensor, layout: str = "snapshot_major"):
+        if layout not in BANK_LAYOUTS:
+            raise ValueError(f"SnapshotBank: layout must be one of {BANK_LAYOUTS}, got {layout!r}")
+        if storage.dim() != 3 or storage.dtype != BF16 or storage.stride(-1) != 1:
+            raise ValueError("SnapshotBank: storage must be a bf16 3-D tensor with a contiguous last dimension")
+        self.storage = storage
+        self.layout = layout
+
+    @classmethod
+    def allocate(cls, rows: int, tokens: int, hidden: int, *, layout: str = "snapshot_major", device="cpu",
+                 fill: float | None = None) -> "SnapshotBank":
+        shape = (rows, tokens, hidden) if layout == "snapshot_major" else (tokens, rows, hidden)
+        storage = torch.empty(shape, dtype=BF16, device=device)
+        if fill is not None:
+            storage.fill_(fill)
+        return cls(storage, layout)
+
+    @property
+    def rows(self) -> int:
+        return self.storage.shape[0 if self.layout == "snapshot_major" else 1]
+
+    @property
+    def tokens(self) -> int:
+        return self.storage.shape[1 if self.layout == "snapshot_major" else 0]
+
+    def candidates(self, k: int) -> Tensor:
+        """The first k snapshots as a [k, T, H] view (token-major: a strided view, no copy)."""
+        if self.layout == "snapshot_major":
+            return self.storage[:k]
+        return self.storage[:, :k].transpose(0, 1)
+
+    def row(self, s: int) -> Tensor:
+        return self.storage[s] if self.layout == "snapshot_major" else self.storage[:, s]
+
+
+# ------------------------------------------------------------------------------------------------ the paths
+def rmsnorm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Kimi's RMSNorm in its two-rounding order: normed = bf16(x * rsqrt(mean(x^2) + eps)), then
+    bf16(normed * weight), all arithmetic in fp32."""
+    x32 = x.float()
+    r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = (x32 * r).to(BF16)
+    return (normed.float() * weight.float()).to(BF16)
+
+
+def eager_attn_res_rmsnorm(prefix: Tensor, candidates: Tensor, w: SiteWeights,
+                           options: Options | None = None) -> tuple[Tensor, Tensor]:
+    """The unfused site: the mixture from attnres.attn_res, then the RMSNorm as its own step.
+    Returns (output, mixture)."""
+    mixture = attnres.attn_res(prefix, candidates, w.res_weight, w.rms_weight, w.rms_eps, options=options)[0]
+    return rmsnorm(mixture, w.norm_weight, w.norm_eps), mixture
+
+
+class SiteResult(NamedTuple):
+    prefix: Tensor  # the materialized prefix the site mixed (what is carried on / written to the bank)
+    output: Tensor  # the normed output fed to the sub-layer (or the model output)
+    mixture: Tensor | None  # the pre-norm mixture, when asked for
+    route: Route
+
+
+def _run_unchanged(prefix: Tensor, bank: SnapshotBank, k: int, w: SiteWeights, settings: ResidualSettings,
+                   route: Route, mixture: bool) -> tuple[Tensor, Tensor | None]:
+    """(output, mixture) of a materialized prefix through `route` (RMSNORM, FUSED or EAGER)."""
+    if route.path == RMSNORM:
+        return rmsnorm(prefix, w.norm_weight, w.norm_eps), (prefix if mixture else None)  # N = 1: mixture = P
+    cand = bank.candidates(k)
+    if route.path == FUSED:
+        if mixture:
+            return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), return_mixture=True, options=settings.options)
+        return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), options=settings.options), None
+    output, mix = eager_attn_res_rmsnorm(prefix, cand, w, settings.eager_options)
+    return output, (mix if mixture else None)
+
+
+def try_fold(tail: PendingTail, bank: SnapshotBank, k: int, w: SiteWeights, settings: ResidualSettings, *,
+             mixture: bool = False, snapshot: bool = False, final_capture: bool = False
+             ) -> tuple[Route, SiteResult | None]:
+    """The add2 consumer: runs attn_res_add_rmsnorm(prefix, routed, bank[:k], layer_residual_add2=shared) when
+    fold_route allows it (with snapshot, the updated prefix also lands in bank row k through the op's
+    snapshot_slot). Otherwise declines — (route, None) — and the caller materializes first."""
+    T, H = tail.prefix.shape
+    route = fold_route(settings, tokens=T, candidates=k + 1, hidden=H, device=tail.prefix.device, tap=mixture,
+                       snapshot=snapshot, final_capture=final_capture)
+    if route.path != FUSED_ADD2:
+        return route, None
+    out = attnres.attn_res_add_rmsnorm(tail.prefix, tail.routed, bank.candidates(k), *w.args(),
+                                       layer_residual_add2=tail.shared, return_mixture=mixture,
+                                       snapshot_slot=k if snapshot else None, options=settings.options)
+    return route, SiteResult(out[0], out[1], out[2] if mixture else None, route)
+
+
+def attn_res_site(carried: Tensor | PendingTail, bank: SnapshotBank, k: int, w: SiteWeights,
+                  settings: ResidualSettings, *, site: str = "site", mixture: bool = False, snapshot: bool = False,
+                  final_capture: bool = False, record: PathRecord | None = None) -> SiteResult:
+    """A site without an addend of its own (pre-attention, snapshot-layer pre-MLP, model output) over the first
+    k snapshots. `carried` is the prefix or a pending tail; `mixture`: return the pre-norm mixture (a capture
+    tap); `snapshot`: the prefix also goes into bank row k (the caller then counts k + 1 snapshots)."""
+    if isinstance(carried, PendingTail):
+        T, H = carried.prefix.shape
+        route, result = try_fold(carried, bank, k, w, settings, mixture=mixture, snapshot=snapshot,
+                                 final_capture=final_capture)
+        if record is not None:
+            record.add(site, route, T, k + 1)
+        if result is not None:
+            return result
+        prefix = carried.materialize()
+    else:
+        prefix = carried
+    T, H = prefix.shape
+    route = site_route(settings, tokens=T, candidates=k + 1, hidden=H, device=prefix.device, add=False, tap=mixture)
+    if record is not None:
+        record.add(site, route, T, k + 1)
+    output, mix = _run_unchanged(prefix, bank, k, w, settings, route, mixture)
+    if snapshot:
+        bank.row(k).copy_(prefix)
+    return SiteResult(prefix, output, mix, route)
+
+
+def attn_res_add_site(prefix: Tensor, add: Tensor, bank: SnapshotBank, k: int, w: SiteWeights,
+                      settings: ResidualSettings, *, site: str = "site", record: PathRecord | None = None
+                      ) -> SiteResult:
+    """A site that adds one addend (the pre-MLP site of a non-snapshot layer): P = prefix + add, then the mixture
+    over bank[:k] and P, then the norm."""
+    T, H = prefix.shape
+    route = site_route(settings, tokens=T, candidates=k + 1, hidden=H, device=prefix.device, add=True, tap=False)
+    if record is not None:
+        record.add(site, route, T, k + 1)
+    if route.path == FUSED_ADD:
+        updated, output = attnres.attn_res_add_rmsnorm(prefix, add, bank.candidates(k), *w.args(),
+                                                       options=settings.options)
+        return SiteResult(updated, output, None, route)
+    updated = prefix + add
+    output, _ = eager_attn_res_rmsnorm(updated, bank.candidates(k), w, settings.eager_options)
+    return SiteResult(updated, output, None, route)

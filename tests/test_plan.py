@@ -1,0 +1,261 @@
+"""attnres.plan: the kernel a call takes (or why it is declined), a pure function of device, shape, outputs
+and options (cpp/src/plan.cpp, plan_tuning.hpp). The CUDA geometry cases run where a Hopper GPU is visible.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import attnres
+from attnres import _C
+from conftest import requires_cuda
+
+OPS = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
+FAST_H = (2304, 4096, 7168, 8192)
+PERSISTENT_ADD2 = ("the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
+                   "layer_residual_add2 and call the one-addend op")
+PERSISTENT_TAP = "the persistent kernel does not emit the pre-norm mixture tap"
+PERSISTENT_SNAPSHOT = "the persistent kernel does not write snapshot rows"
+# The automatic single_cta/split_k boundary at H = 7168 (Kimi's reference stacks: N <= 4 / N >= 5). When the
+# H200 measurement moves it, this constant and docs/performance.md change together.
+SINGLE_CTA_MAX_N_AT_7168 = 4
+
+
+def _flags(op):
+    """The outputs a typical call of `op` asks for."""
+    return {"attn_res": {"diagnostics": True}, "attn_res_rmsnorm": {}, "attn_res_add_rmsnorm": {"add": True},
+            "attn_res_add_rmsnorm_persistent": {"add": True}}[op]
+
+
+def _devices_without_a_gpu_needed(device):
+    """The plan's device list for the 'every device' checks: the fixture's device, plus a CUDA device
+    described by a build without the CUDA backend (the plan answers for it without a GPU)."""
+    out = [device]
+    if device == "cpu" and not _C.cuda_backend_built():
+        out.append("cuda")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- CPU
+@pytest.mark.parametrize("op", OPS)
+def test_cpu_tensors_take_the_cpu_backend(op):
+    topo = attnres.Options(topology="persistent") if op == "attn_res_add_rmsnorm_persistent" else None
+    for T, N, H in itertools.product((1, 7, 33, 5000), (1, 5, 16), (8, 1160, 7168, 16384)):
+        p = attnres.plan(op, tokens=T, candidates=N, hidden=H, device="cpu", options=topo, **_flags(op))
+        assert p.accepted and p.kernel == "cpu" and p.decline is None, (op, T, N, H, p)
+
+
+@pytest.mark.parametrize("kernel", ["single_cta", "split_k", "persistent"])
+@pytest.mark.parametrize("op", OPS)
+def test_forced_cuda_kernels_are_declined_on_cpu(op, kernel):
+    p = attnres.plan(op, tokens=2, candidates=3, hidden=64, device="cpu", options=attnres.Options(kernel=kernel),
+                     **_flags(op))
+    assert not p.accepted and p.kernel is None
+    assert p.decline == f"kernel {kernel} runs on CUDA devices; the tensors are on cpu"
+
+
+def test_forcing_the_cpu_kernel_on_cpu_is_accepted():
+    p = attnres.plan("attn_res", tokens=2, candidates=3, hidden=64, options=attnres.Options(kernel="cpu"))
+    assert p.accepted and p.kernel == "cpu"
+
+
+@pytest.mark.skipif(_C.cuda_backend_built(), reason="describes a build without the CUDA backend")
+def test_cuda_device_without_the_backend_is_declined():
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=9, hidden=7168, device="cuda", add=True)
+    assert p.decline == "attnres was built without the CUDA backend"
+
+
+# ------------------------------------------------------------------------------- topology rules, every device
+@pytest.mark.parametrize("options", [attnres.Options(topology="persistent"), attnres.Options(kernel="persistent"),
+                                     attnres.Options(topology="split", split_max_tokens=4)],
+                         ids=["topology_persistent", "kernel_persistent", "split_above_ceiling"])
+def test_persistent_routing_declines_add2_tap_and_snapshot(options, device):
+    for dev in _devices_without_a_gpu_needed(device):
+        base = dict(tokens=5, candidates=9, hidden=7168, device=dev, options=options)
+        p = attnres.plan("attn_res_add_rmsnorm", add=True, add2=True, **base)
+        assert p.decline == PERSISTENT_ADD2, (dev, p)
+        p = attnres.plan("attn_res_add_rmsnorm", add=True, tap=True, **base)
+        assert p.decline == PERSISTENT_TAP, (dev, p)
+        p = attnres.plan("attn_res_rmsnorm", tap=True, **base)
+        assert p.decline == PERSISTENT_TAP, (dev, p)
+        p = attnres.plan("attn_res_add_rmsnorm", add=True, snapshot=True, **base)
+        assert p.decline == PERSISTENT_SNAPSHOT, (dev, p)
+
+
+def test_persistent_op_declines_add2_on_every_device(device):
+    """The persistent op routes to the persistent kernel whatever the options say."""
+    for dev in _devices_without_a_gpu_needed(device):
+        for options in (None, attnres.Options(), attnres.Options(topology="split", split_max_tokens=64),
+                        attnres.Options(kernel="split_k")):
+            p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=1, candidates=9, hidden=7168, device=dev,
+                             add=True, add2=True, options=options)
+            assert p.decline == PERSISTENT_ADD2, (dev, options, p)
+
+
+def test_split_topology_routes_by_token_count(device):
+    opts = attnres.Options(topology="split", split_max_tokens=8)
+    for T in (1, 7, 8):  # at or below the ceiling: the per-token path, which takes add2
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
+                         add2=True, options=opts)
+        assert p.accepted, (T, p)
+        if device == "cuda":
+            assert p.kernel in ("single_cta", "split_k"), (T, p)
+    for T in (9, 64, 4096):  # above: the persistent path
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
+                         add2=True, options=opts)
+        assert p.decline == PERSISTENT_ADD2, (T, p)
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
+                         options=opts)
+        if device == "cpu":
+            assert p.kernel == "cpu"
+        else:
+            assert p.kernel == "persistent" or "persistent" in (p.decline or ""), (T, p)
+
+
+def test_split_ceiling_zero_sends_every_call_to_persistent(device):
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=3, hidden=64, device=device, add=True, add2=True,
+                     options=attnres.Options(topology="split", split_max_tokens=0))
+    assert p.decline == PERSISTENT_ADD2
+
+
+def test_attn_res_never_routes_to_persistent(device):
+    """Only the per-token kernels emit the fp32 diagnostics."""
+    for options in (attnres.Options(topology="persistent"), attnres.Options(topology="split", split_max_tokens=0)):
+        p = attnres.plan("attn_res", tokens=100, candidates=9, hidden=7168, device=device, diagnostics=True,
+                         options=options)
+        assert p.accepted, p
+        assert p.kernel in (("cpu",) if device == "cpu" else ("single_cta", "split_k")), p
+
+
+def test_plan_is_pure(device):
+    queries = [dict(op=op, tokens=T, candidates=N, hidden=H, device=device, **_flags(op))
+               for op in OPS for T, N, H in ((1, 9, 7168), (32, 3, 2304), (5, 16, 16384))]
+    options = (None, attnres.Options(pdl=False), attnres.Options(topology="split", split_max_tokens=2),
+               attnres.Options(kernel="split_k"))
+    first = [attnres.plan(**q, options=o) for q in queries for o in options]
+    # interleave other queries, then ask again: nothing is remembered between calls
+    attnres.plan("attn_res", tokens=64, candidates=2, hidden=8, device=device)
+    again = [attnres.plan(**q, options=o) for q in queries for o in options]
+    assert first == again
+
+
+def test_plan_option_errors_raise(device):
+    opts = _C.Options()
+    opts.split_max_tokens = -1
+    q = _C.PlanQuery()
+    q.op, q.tokens, q.candidates, q.hidden = _C.AttnResOp.attn_res, 1, 2, 64
+    info = _C.query_device(_C.DeviceType.cpu, 0)
+    with pytest.raises(attnres.ArgumentError, match=r"^attn_res: options\.split_max_tokens must be >= 0$"):
+        _C.plan_query(q, info, opts)
+    opts = _C.Options()
+    opts.cluster = 17
+    with pytest.raises(attnres.ArgumentError, match=r"^attn_res: options\.cluster must be in \[0, 16\], got 17$"):
+        _C.plan_query(q, info, opts)
+
+
+# ---------------------------------------------------------------------------------------------------- CUDA
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS[:3])
+def test_cuda_automatic_choice_at_kimi_hidden(op):
+    for N in range(1, 17):
+        for T in (1, 8, 32):
+            p = attnres.plan(op, tokens=T, candidates=N, hidden=7168, device="cuda", **_flags(op))
+            want = "single_cta" if N <= SINGLE_CTA_MAX_N_AT_7168 else "split_k"
+            assert p.accepted and p.kernel == want, (op, T, N, p)
+
+
+def _geometry_ok(p, N, H):
+    assert p.threads % 32 == 0 and p.threads >= 32, p
+    assert p.cluster >= 1, p
+    assert p.cluster * p.threads * 8 >= H, f"{p} does not cover H = {H}"
+    assert p.max_candidates in (4, 8, 12, 16) and p.max_candidates >= N, p
+    if p.kernel == "single_cta":
+        assert p.cluster == 1 and p.threads <= 1024, p
+    else:
+        assert p.kernel == "split_k" and p.threads <= 256 and p.cluster <= 16, p
+        assert p.cluster <= max(H // 8, 1), p  # never more blocks than 16-byte vectors in a row
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", OPS[:3])
+def test_cuda_plan_never_raises_and_geometry_is_sane(op):
+    for N, H, T in itertools.product(range(1, 17), FAST_H + (8, 200, 16384), range(1, 65)):
+        p = attnres.plan(op, tokens=T, candidates=N, hidden=H, device="cuda", **_flags(op))
+        assert p.accepted, (op, T, N, H, p)
+        _geometry_ok(p, N, H)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_forced_single_cta_limits():
+    for N, H in itertools.product(range(1, 17), FAST_H + (16384,)):
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=N, hidden=H, device="cuda", add=True,
+                         options=attnres.Options(kernel="single_cta"))
+        if N > 8 or H > 8192:
+            assert not p.accepted and p.decline.startswith("single_cta holds a token's rows"), (N, H, p)
+        else:
+            assert p.accepted and p.kernel == "single_cta", (N, H, p)
+            _geometry_ok(p, N, H)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_forced_split_k_accepts_every_supported_shape():
+    for N, H in itertools.product(range(1, 17), FAST_H + (8, 16384)):
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=N, hidden=H, device="cuda", add=True,
+                         add2=True, tap=True, snapshot=True, options=attnres.Options(kernel="split_k"))
+        assert p.accepted and p.kernel == "split_k", (N, H, p)
+        _geometry_ok(p, N, H)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_cluster_override_and_pdl_flag():
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=9, hidden=7168, device="cuda", add=True,
+                     options=attnres.Options(kernel="split_k", cluster=8, pdl=False))
+    assert p.kernel == "split_k" and p.cluster == 8 and p.pdl is False
+    _geometry_ok(p, 9, 7168)
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=9, hidden=7168, device="cuda", add=True)
+    assert p.pdl is True
+    # a cluster larger than the row has vectors is clamped to the number of vectors
+    p = attnres.plan("attn_res", tokens=1, candidates=9, hidden=64, device="cuda",
+                     options=attnres.Options(kernel="split_k", cluster=16))
+    assert p.accepted and p.cluster == 8, p
+    p = attnres.plan("attn_res", tokens=1, candidates=9, hidden=7168, device="cuda",
+                     options=attnres.Options(kernel="split_k", cluster=1))
+    assert not p.accepted and "use a larger cluster" in p.decline
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_forced_cpu_kernel_and_token_limit_declined():
+    p = attnres.plan("attn_res", tokens=1, candidates=2, hidden=64, device="cuda", options=attnres.Options(kernel="cpu"))
+    assert p.decline.startswith("kernel cpu runs on CPU tensors; the tensors are on cuda:")
+    p = attnres.plan("attn_res", tokens=(1 << 26) + 1, candidates=2, hidden=64, device="cuda")
+    assert p.decline == f"T = {(1 << 26) + 1} exceeds the per-launch limit of {1 << 26} tokens"
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_persistent_op_takes_the_persistent_kernel_or_says_why():
+    p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=4096, candidates=9, hidden=7168, device="cuda",
+                     add=True, options=attnres.Options(topology="persistent"))
+    assert p.kernel == "persistent" or p.decline == "the persistent kernel is not part of this build yet", p
+
+
+@pytest.mark.parametrize("tokens,candidates,hidden", [(1, 17, 7168), (1, 0, 64), (0, 2, 7168), (1, 2, 7),
+                                                      (1, 2, 16392), (1, 2, 0)])
+def test_plan_never_accepts_a_shape_the_ops_reject(tokens, candidates, hidden, device):
+    """A caller deciding between the fused path and materializing first must not be told that a call the op
+    would reject (T < 1, N outside [1, 16], H not a multiple of 8 in [8, 16384]) runs: the plan raises a
+    ValueError (attnres.ArgumentError) or declines."""
+    for op in OPS:
+        try:
+            p = attnres.plan(op, tokens=tokens, candidates=candidates, hidden=hidden, device=device, **_flags(op))
+        except ValueError:
+            continue
+        assert not p.accepted, f"{op} T={tokens} N={candidates} H={hidden}: plan accepts with {p}"
