@@ -76,9 +76,10 @@ def _log_uniform(g: torch.Generator, shape, lo: float, hi: float) -> Tensor:
 
 
 def _nonzero_normal(g: torch.Generator, shape) -> Tensor:
-    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    """Standard normal draws as float64 (drawn in float32: the values end up in bf16 anyway)."""
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
     # exact zeros would make subnormal/cancellation checks vacuous; they are measure-zero anyway
-    return torch.where(x == 0, torch.full_like(x, 0.5), x)
+    return torch.where(x == 0, torch.full_like(x, 0.5), x).double()
 
 
 def make_inputs(T: int, N: int, H: int, *, layout: str = "snapshot_major", addends: int = 0, seed: int = 0,
@@ -280,3 +281,35 @@ def poison_(t: Tensor) -> Tensor:
     """Fill with NaN (floating tensors) so a value that was never written cannot pass a check."""
     return t.fill_(float("nan"))
 
+
+
+# ------------------------------------------------------------------------------------------- plan limits
+def max_cluster_python() -> int:
+    """The largest split_k cluster attnres.Options accepts (probed, so the tests follow plan_tuning.hpp)."""
+    best = 0
+    for c in range(1, 65):
+        try:
+            attnres.Options(cluster=c)
+        except ValueError:
+            break
+        best = c
+    return best
+
+
+def max_cluster_library() -> int:
+    """The largest cluster the C++ plan accepts, read from its own option check."""
+    import re
+
+    from attnres import _C
+    q = _C.PlanQuery()
+    q.op, q.tokens, q.candidates, q.hidden = _C.AttnResOp.attn_res, 1, 2, 64
+    opts = _C.Options()
+    opts.cluster = 1000
+    try:
+        _C.plan_query(q, _C.query_device(_C.DeviceType.cpu, 0), opts)
+    except attnres.ArgumentError as e:
+        m = re.search(r"options\.cluster must be in \[0, (\d+)\]", str(e))
+        if m:
+            return int(m.group(1))
+        raise
+    raise AssertionError("the plan accepted a cluster of 1000")

@@ -4,7 +4,8 @@
   inputs copied into the captured buffers (so the replay cannot pass on stale values);
 * PDL on and off give identical bits;
 * a chain of PDL-launched calls, each consuming the previous call's `updated` as its prefix, equals the same
-  calls run one at a time on settled inputs (eagerly and inside a graph);
+  calls run one at a time on settled inputs (eagerly and inside a graph); so does a chain in which each call's
+  newest bank row is the snapshot row the previous call wrote;
 * every launch goes on the caller's stream (a busy non-default stream orders the call after its own work);
 * capturing a call does not raise (no synchronisation, allocation outside the graph pool or host copy).
 """
@@ -190,6 +191,53 @@ def test_pdl_chained_calls_equal_settled_calls(T, N, H):
         torch.cuda.synchronize()
         for i, (c, s) in enumerate(zip(captured, settled)):
             assert_same_bits(c, s, f"kernel={kernel}: graph-replayed chain output #{i} vs settled")
+
+
+def _snapshot_chain(bank_buffer, prefix0, addends, weights, kernel, pdl, settle):
+    """Link i reads bank rows 0..i (row i written by link i - 1 as its snapshot) and writes row i + 1."""
+    outs, prefix = [], prefix0
+    for i, add in enumerate(addends):
+        K = i + 1
+        opts = attnres.Options(kernel=kernel, pdl=pdl)
+        updated, output = attnres.attn_res_add_rmsnorm(prefix, add, bank_buffer[:K], *weights, 1e-5, 1e-5,
+                                                       snapshot_slot=K, options=opts)
+        outs += [updated, output]
+        prefix = updated
+        if settle:
+            torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.parametrize("kernel", ["auto", "single_cta", "split_k"])
+@pytest.mark.parametrize("T,H", [(1, 7168), (8, 2304), (32, 4096)])
+def test_pdl_newest_bank_row_written_by_the_previous_call(T, H, kernel):
+    """The kernels load bank rows 0..K-2 before griddepcontrol.wait and the newest row K-1 after it, so a
+    call may read as its newest candidate the snapshot row the call launched just before it wrote."""
+    kmax = 16
+    g = torch.Generator().manual_seed(T * H)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to(torch.bfloat16).cuda()  # noqa: E731
+    initial = torch.full((kmax + 1, T, H), NAN, dtype=torch.bfloat16).cuda()
+    initial[0] = rnd(T, H)
+    weights = ((rnd(H) * 0.02), (1 + 0.1 * rnd(H)), (1 + 0.1 * rnd(H)))
+    prefix0 = rnd(T, H)
+    links = []
+    for K in range(1, kmax):
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=K + 1, hidden=H, device="cuda", add=True,
+                         snapshot=True, options=attnres.Options(kernel=kernel))
+        if not p.accepted:
+            break
+        links.append(rnd(T, H))
+    assert links, f"{kernel} accepts no link of the chain"
+    settled_bank = initial.clone()
+    settled = [t.clone() for t in _snapshot_chain(settled_bank, prefix0, links, weights, kernel, False, True)]
+    for attempt in range(3):
+        bank = initial.clone()
+        torch.cuda.synchronize()
+        chained = _snapshot_chain(bank, prefix0, links, weights, kernel, True, False)
+        torch.cuda.synchronize()
+        for i, (c, s) in enumerate(zip(chained, settled)):
+            assert_same_bits(c, s, f"kernel={kernel} attempt {attempt}: output #{i} (link {i // 2}) vs settled")
+        assert_same_bits(bank, settled_bank, f"kernel={kernel} attempt {attempt}: bank after the chain")
 
 
 @pytest.mark.parametrize("variant", ["attn_res", "rmsnorm_tap", "add2_tap_snapshot", "persistent"])

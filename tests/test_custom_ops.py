@@ -168,3 +168,19 @@ def test_compile_fullgraph_public_snapshot_call(device):
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert_same_bits(c, e, f"compiled output #{i}")
     assert_same_bits(compiled_bank, eager_bank, "bank after the compiled snapshot write")
+
+
+def test_compiled_snapshot_call_outside_the_storage_is_refused(device):
+    """The storage check also runs inside the snapshot op, so a compiled call cannot write past the bank."""
+    torch._dynamo.reset()
+    inp = make_inputs(3, 4, 128, layout="snapshot_major", addends=1, seed=7, device=device, spare_rows=1)
+
+    def step(lr, add, bank, res_w, rms_w, norm_w):
+        return attnres.attn_res_add_rmsnorm(lr, add, bank[:3], res_w, rms_w, norm_w, 1e-5, 1e-5, snapshot_slot=5)
+
+    bank = inp.bank_buffer.clone()
+    with pytest.raises(ValueError, match=r"^attn_res_add_rmsnorm: snapshot_slot 5 lies outside block_residual's "
+                                         r"storage \(the bank must be allocated with at least 6 snapshot rows\)$"):
+        torch.compile(step, fullgraph=True)(inp.layer_residual, inp.add, bank, inp.res_weight, inp.rms_weight,
+                                            inp.norm_weight)
+    assert_same_bits(bank, inp.bank_buffer, "bank after the refused compiled call")

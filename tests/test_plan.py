@@ -11,6 +11,7 @@ import pytest
 import attnres
 from attnres import _C
 from conftest import requires_cuda
+from helpers import max_cluster_python
 
 OPS = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
 FAST_H = (2304, 4096, 7168, 8192)
@@ -18,9 +19,9 @@ PERSISTENT_ADD2 = ("the persistent kernel declines layer_residual_add2: material
                    "layer_residual_add2 and call the one-addend op")
 PERSISTENT_TAP = "the persistent kernel does not emit the pre-norm mixture tap"
 PERSISTENT_SNAPSHOT = "the persistent kernel does not write snapshot rows"
-# The automatic single_cta/split_k boundary at H = 7168 (Kimi's reference stacks: N <= 4 / N >= 5). When the
-# H200 measurement moves it, this constant and docs/performance.md change together.
-SINGLE_CTA_MAX_N_AT_7168 = 4
+ATTN_RES_NOT_PERSISTENT = ("the persistent kernel does not emit the fp32 diagnostics: attn_res runs on the per-token "
+                           "kernels")
+MAX_CLUSTER = max_cluster_python()
 
 
 def _flags(op):
@@ -53,7 +54,15 @@ def test_forced_cuda_kernels_are_declined_on_cpu(op, kernel):
     p = attnres.plan(op, tokens=2, candidates=3, hidden=64, device="cpu", options=attnres.Options(kernel=kernel),
                      **_flags(op))
     assert not p.accepted and p.kernel is None
-    assert p.decline == f"kernel {kernel} runs on CUDA devices; the tensors are on cpu"
+    assert p.decline == (ATTN_RES_NOT_PERSISTENT if (op, kernel) == ("attn_res", "persistent") else
+                         f"kernel {kernel} runs on CUDA devices; the tensors are on cpu")
+
+
+def test_attn_res_declines_the_forced_persistent_kernel(device):
+    """Forcing the persistent kernel on attn_res is declined on every device (it has no diagnostics)."""
+    p = attnres.plan("attn_res", tokens=100, candidates=9, hidden=7168, device=device, diagnostics=True,
+                     options=attnres.Options(kernel="persistent"))
+    assert p.decline == ATTN_RES_NOT_PERSISTENT
 
 
 def test_forcing_the_cpu_kernel_on_cpu_is_accepted():
@@ -150,9 +159,12 @@ def test_plan_option_errors_raise(device):
     with pytest.raises(attnres.ArgumentError, match=r"^attn_res: options\.split_max_tokens must be >= 0$"):
         _C.plan_query(q, info, opts)
     opts = _C.Options()
-    opts.cluster = 17
-    with pytest.raises(attnres.ArgumentError, match=r"^attn_res: options\.cluster must be in \[0, 16\], got 17$"):
+    opts.cluster = MAX_CLUSTER + 1
+    with pytest.raises(attnres.ArgumentError, match=rf"^attn_res: options\.cluster must be in \[0, {MAX_CLUSTER}\], "
+                       rf"got {MAX_CLUSTER + 1}$"):
         _C.plan_query(q, info, opts)
+    opts.cluster = MAX_CLUSTER
+    assert _C.plan_query(q, info, opts).accepted
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA
@@ -160,22 +172,28 @@ def test_plan_option_errors_raise(device):
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS[:3])
 def test_cuda_automatic_choice_at_kimi_hidden(op):
-    for N in range(1, 17):
-        for T in (1, 8, 32):
+    """split_k for N >= 5 (single_cta's registers hold at most 4..8 rows); below, whichever the H200
+    measurement picked (plan_tuning.hpp), but single_cta only on a prefix N = 1..b (never back and forth)."""
+    for T in (1, 8, 32):
+        kernels = []
+        for N in range(1, 17):
             p = attnres.plan(op, tokens=T, candidates=N, hidden=7168, device="cuda", **_flags(op))
-            want = "single_cta" if N <= SINGLE_CTA_MAX_N_AT_7168 else "split_k"
-            assert p.accepted and p.kernel == want, (op, T, N, p)
+            assert p.accepted and p.kernel in ("single_cta", "split_k"), (op, T, N, p)
+            kernels.append(p.kernel)
+        assert all(k == "split_k" for k in kernels[4:]), (op, T, kernels)
+        b = kernels.count("single_cta")
+        assert kernels[:b] == ["single_cta"] * b, (op, T, kernels)
 
 
 def _geometry_ok(p, N, H):
     assert p.threads % 32 == 0 and p.threads >= 32, p
     assert p.cluster >= 1, p
     assert p.cluster * p.threads * 8 >= H, f"{p} does not cover H = {H}"
-    assert p.max_candidates in (4, 8, 12, 16) and p.max_candidates >= N, p
+    assert N <= p.max_candidates <= 16, p  # the compile-time bucket the kernel instance is built for
     if p.kernel == "single_cta":
         assert p.cluster == 1 and p.threads <= 1024, p
     else:
-        assert p.kernel == "split_k" and p.threads <= 256 and p.cluster <= 16, p
+        assert p.kernel == "split_k" and p.threads <= 256 and p.cluster <= MAX_CLUSTER, p
         assert p.cluster <= max(H // 8, 1), p  # never more blocks than 16-byte vectors in a row
 
 
@@ -192,10 +210,20 @@ def test_cuda_plan_never_raises_and_geometry_is_sane(op):
 @requires_cuda
 @pytest.mark.gpu
 def test_cuda_forced_single_cta_limits():
-    for N, H in itertools.product(range(1, 17), FAST_H + (16384,)):
+    """Forced single_cta is accepted exactly inside the limits its decline message states (H <= 8192: 1024
+    threads x 8 elements; N: the register budget, at most 8)."""
+    import re
+    probe = attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=16, hidden=16384, device="cuda", add=True,
+                         options=attnres.Options(kernel="single_cta"))
+    m = re.fullmatch(r"single_cta holds a token's rows in one block's registers: it needs H <= (\d+) and N <= (\d+) "
+                     r"\(use split_k\)", probe.decline or "")
+    assert m, probe
+    max_h, max_n = int(m.group(1)), int(m.group(2))
+    assert max_h == 8192 and 1 <= max_n <= 8
+    for N, H in itertools.product(range(1, 17), FAST_H + (8, 200, 8200, 16384)):
         p = attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=N, hidden=H, device="cuda", add=True,
                          options=attnres.Options(kernel="single_cta"))
-        if N > 8 or H > 8192:
+        if N > max_n or H > max_h:
             assert not p.accepted and p.decline.startswith("single_cta holds a token's rows"), (N, H, p)
         else:
             assert p.accepted and p.kernel == "single_cta", (N, H, p)
@@ -216,15 +244,15 @@ def test_cuda_forced_split_k_accepts_every_supported_shape():
 @pytest.mark.gpu
 def test_cuda_cluster_override_and_pdl_flag():
     p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=9, hidden=7168, device="cuda", add=True,
-                     options=attnres.Options(kernel="split_k", cluster=8, pdl=False))
-    assert p.kernel == "split_k" and p.cluster == 8 and p.pdl is False
+                     options=attnres.Options(kernel="split_k", cluster=MAX_CLUSTER, pdl=False))
+    assert p.kernel == "split_k" and p.cluster == MAX_CLUSTER and p.pdl is False
     _geometry_ok(p, 9, 7168)
     p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=9, hidden=7168, device="cuda", add=True)
     assert p.pdl is True
     # a cluster larger than the row has vectors is clamped to the number of vectors
-    p = attnres.plan("attn_res", tokens=1, candidates=9, hidden=64, device="cuda",
-                     options=attnres.Options(kernel="split_k", cluster=16))
-    assert p.accepted and p.cluster == 8, p
+    p = attnres.plan("attn_res", tokens=1, candidates=9, hidden=32, device="cuda",
+                     options=attnres.Options(kernel="split_k", cluster=MAX_CLUSTER))
+    assert p.accepted and p.cluster == min(MAX_CLUSTER, 4), p
     p = attnres.plan("attn_res", tokens=1, candidates=9, hidden=7168, device="cuda",
                      options=attnres.Options(kernel="split_k", cluster=1))
     assert not p.accepted and "use a larger cluster" in p.decline

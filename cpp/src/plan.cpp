@@ -57,8 +57,8 @@ int32_t candidate_bucket(int64_t n) {
 
 bool routes_to_persistent(const PlanQuery& q, const Options& o) {
   if (q.op == AttnResOp::attn_res_add_rmsnorm_persistent) return true;
+  if (o.kernel == KernelKind::persistent) return true;  // forced: declined below for attn_res
   if (q.op == AttnResOp::attn_res) return false;  // only the per-token kernels emit the fp32 diagnostics
-  if (o.kernel == KernelKind::persistent) return true;
   if (o.kernel == KernelKind::single_cta || o.kernel == KernelKind::split_k) return false;
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
@@ -67,6 +67,8 @@ bool routes_to_persistent(const PlanQuery& q, const Options& o) {
 
 // The persistent kernel streams rows for whole tokens and writes updated + output only.
 std::string persistent_decline(const PlanQuery& q) {
+  if (q.op == AttnResOp::attn_res)
+    return "the persistent kernel does not emit the fp32 diagnostics: attn_res runs on the per-token kernels";
   if (q.add2)
     return "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
            "layer_residual_add2 and call the one-addend op";
@@ -83,6 +85,15 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (o.cluster < 0 || o.cluster > tuning::kMaxCluster)
     throw ArgumentError(std::string(op_name(q.op)) + ": options.cluster must be in [0, " +
                         std::to_string(tuning::kMaxCluster) + "], got " + std::to_string(o.cluster));
+
+  // A shape-only query (attnres.plan) never accepts what the ops would reject.
+  if (q.tokens < 1) return declined("T = " + std::to_string(q.tokens) + " tokens: T must be >= 1");
+  if (q.candidates < 1 || q.candidates > kMaxCandidates)
+    return declined("N = " + std::to_string(q.candidates) + " candidates: N must be in [1, " +
+                    std::to_string(kMaxCandidates) + "]");
+  if (q.hidden < kHiddenMultiple || q.hidden > kMaxHidden || q.hidden % kHiddenMultiple != 0)
+    return declined("H = " + std::to_string(q.hidden) + ": H must be a multiple of 8 in [8, " +
+                    std::to_string(kMaxHidden) + "]");
 
   const bool persistent = routes_to_persistent(q, o);
   // The add2 decline is a property of the topology, on every backend, so the caller's materialize-first

@@ -67,6 +67,13 @@ PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H) {
 const AttnResOp kPerTokenOps[] = {AttnResOp::attn_res, AttnResOp::attn_res_rmsnorm, AttnResOp::attn_res_add_rmsnorm};
 const int64_t kHidden[] = {8, 64, 72, 1024, 2304, 4096, 7168, 8192, 8200, 12288, 16384};
 
+// The automatic per-token choice the table should make: single_cta where one block holds the token's rows
+// AND the H200 measurement (tuning::prefer_single_cta) favours it, split_k otherwise.
+KernelKind automatic_kernel(int64_t T, int64_t N, int64_t H) {
+  const bool fits = H / 8 <= tuning::kSingleCtaMaxThreads && N <= tuning::kSingleCtaMaxCandidates;
+  return fits && tuning::prefer_single_cta(T, N, H) ? KernelKind::single_cta : KernelKind::split_k;
+}
+
 bool same_plan(const Plan& a, const Plan& b) {
   return a.kernel == b.kernel && a.decline == b.decline && a.cluster == b.cluster && a.threads == b.threads &&
          a.vectors == b.vectors && a.max_candidates == b.max_candidates && a.pdl == b.pdl;
@@ -125,15 +132,29 @@ TEST(PlanCuda, TokensBeyondOneLaunchDecline) {
   EXPECT_TRUE(attnres::plan(query(AttnResOp::attn_res_rmsnorm, int64_t{1} << 26, 3, 7168), h200()).accepted());
 }
 
-// Kimi K3 (H = 7168): single_cta for N <= 4, split_k from N = 5 (the reference stacks' boundary).
-TEST(PlanCuda, SingleCtaUpToFourCandidatesThenSplitK) {
+// Kimi K3 (H = 7168): split_k from N = 5 always (single_cta cannot hold more rows: the reference stacks'
+// N <= 4 / N >= 5 boundary); at N <= 4 the H200 measurement in plan_tuning.hpp decides, for every op alike.
+TEST(PlanCuda, SplitKFromFiveCandidatesMeasuredChoiceBelow) {
   for (AttnResOp op : kPerTokenOps)
     for (int64_t N = 1; N <= 16; ++N)
       for (int64_t T : {1, 8, 32}) {
         const Plan p = attnres::plan(query(op, T, N, 7168), h200());
         ASSERT_TRUE(p.accepted()) << p.decline;
-        EXPECT_EQ(p.kernel, N <= 4 ? KernelKind::single_cta : KernelKind::split_k)
-            << attnres::op_name(op) << " N=" << N << " T=" << T;
+        if (N >= 5) {
+          EXPECT_EQ(p.kernel, KernelKind::split_k) << attnres::op_name(op) << " N=" << N << " T=" << T;
+        }
+        EXPECT_EQ(p.kernel, automatic_kernel(T, N, 7168)) << attnres::op_name(op) << " N=" << N << " T=" << T;
+      }
+}
+
+// The automatic choice over every supported shape class.
+TEST(PlanCuda, AutomaticChoiceFollowsTheTuningRule) {
+  for (int64_t H : kHidden)
+    for (int64_t N = 1; N <= 16; ++N)
+      for (int64_t T : {1, 2, 8, 32, 1000}) {
+        const Plan p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, T, N, H), h200());
+        ASSERT_TRUE(p.accepted()) << "H=" << H << " N=" << N << ": " << p.decline;
+        EXPECT_EQ(p.kernel, automatic_kernel(T, N, H)) << "H=" << H << " N=" << N << " T=" << T;
       }
 }
 
@@ -175,7 +196,8 @@ TEST(PlanCuda, GeometryCoversHiddenWithinLimits) {
             EXPECT_LE(N, tuning::kSingleCtaMaxCandidates);
           } else {
             EXPECT_GE(p.cluster, 1);
-            EXPECT_LE(p.cluster, 16);
+            EXPECT_LE(p.cluster, tuning::kMaxCluster);
+            EXPECT_LE(tuning::kMaxCluster, 16);  // Hopper's non-portable cluster limit
             EXPECT_LE(p.threads, 256);
             EXPECT_LE(p.threads, tuning::kSplitKMaxThreads);
             // Every block of the cluster owns at least one vector of the row.
@@ -210,7 +232,7 @@ TEST(PlanTuning, BucketsAscendAndCoverTheSupportedRange) {
 }
 
 TEST(PlanCuda, AutomaticChoiceAvoidsSingleCtaWhereItCannotRun) {
-  // N <= 4 prefers single_cta, but H = 16384 does not fit one block: split_k.
+  // Whatever the measurement prefers, H = 16384 does not fit one block: split_k.
   const Plan p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 1, 2, 16384), h200());
   EXPECT_EQ(p.kernel, KernelKind::split_k);
 }
@@ -225,7 +247,7 @@ TEST(PlanCuda, ClusterOverride) {
   EXPECT_EQ(p.threads, 128);  // 512 vectors over 4 blocks
 
   // A cluster wider than the row's vectors shrinks to one vector per block.
-  o.cluster = 8;
+  o.cluster = tuning::kMaxCluster;
   p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 1, 6, 32), h200(), o);
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.cluster, 4);
@@ -291,7 +313,7 @@ TEST(PlanTopology, AttnResStaysPerToken) {
   o.topology = Topology::persistent;
   Plan p = attnres::plan(query(AttnResOp::attn_res, 4096, 3, 7168), h200(), o);
   ASSERT_TRUE(p.accepted()) << p.decline;
-  EXPECT_EQ(p.kernel, KernelKind::single_cta);
+  EXPECT_EQ(p.kernel, automatic_kernel(4096, 3, 7168));
   o.topology = Topology::split;
   o.split_max_tokens = 0;
   EXPECT_EQ(attnres::plan(query(AttnResOp::attn_res, 4096, 7, 7168), h200(), o).kernel, KernelKind::split_k);
@@ -318,7 +340,7 @@ TEST(PlanTopology, SplitRoutesByTokenCount) {
         const Plan p = attnres::plan(q, dev, o);
         if (T <= ceiling) {
           ASSERT_TRUE(p.accepted()) << "T=" << T << " ceiling=" << ceiling << ": " << p.decline;
-          EXPECT_EQ(p.kernel, dev.device.type == DeviceType::cpu ? KernelKind::cpu : KernelKind::single_cta);
+          EXPECT_EQ(p.kernel, dev.device.type == DeviceType::cpu ? KernelKind::cpu : automatic_kernel(T, 3, 7168));
         } else {
           EXPECT_TRUE(contains(p.decline, "declines layer_residual_add2")) << "T=" << T << " ceiling=" << ceiling;
         }
@@ -356,14 +378,15 @@ TEST(PlanOptions, InvalidOptionsThrowArgumentError) {
     EXPECT_EQ(error_of<attnres::ArgumentError>([&] { attnres::plan(query(AttnResOp::attn_res_rmsnorm, 1, 2, 64), dev, o); }),
               "attn_res_rmsnorm: options.split_max_tokens must be >= 0");
   }
-  for (int32_t cluster : {-1, 17, 1000}) {
+  for (int32_t cluster : {-1, tuning::kMaxCluster + 1, 1000}) {
     Options c;
     c.cluster = cluster;
     EXPECT_EQ(error_of<attnres::ArgumentError>([&] { attnres::plan(query(AttnResOp::attn_res, 1, 2, 64), cpu_device(), c); }),
-              "attn_res: options.cluster must be in [0, 16], got " + std::to_string(cluster));
+              "attn_res: options.cluster must be in [0, " + std::to_string(tuning::kMaxCluster) + "], got " +
+                  std::to_string(cluster));
   }
   Options max_cluster;
-  max_cluster.cluster = 16;
+  max_cluster.cluster = tuning::kMaxCluster;
   EXPECT_NO_THROW(attnres::plan(query(AttnResOp::attn_res, 1, 2, 64), h200(), max_cluster));
 }
 

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "plan_tuning.hpp"
 #include "test_util.hpp"
 
 namespace attnres_test {
@@ -401,6 +402,7 @@ Options with(std::function<void(Options&)> f) {
 
 std::vector<Decline> declines() {
   auto same = [](Config&) {};
+  const std::string max_cluster = std::to_string(attnres::tuning::kMaxCluster);
   return {
       {"ForcedSingleCtaOnCpu", A, with([](Options& o) { o.kernel = KernelKind::single_cta; }), same, true,
        "kernel single_cta runs on CUDA devices; the tensors are on cpu"},
@@ -419,10 +421,10 @@ std::vector<Decline> declines() {
        [](Config& c) { c.tap = false; c.snapshot_slot = -1; }, true, "the persistent kernel declines layer_residual_add2"},
       {"NegativeTokenCeiling", N, with([](Options& o) { o.split_max_tokens = -1; }), same, false,
        "options.split_max_tokens must be >= 0"},
-      {"ClusterTooLarge", A, with([](Options& o) { o.cluster = 17; }), same, false,
-       "options.cluster must be in [0, 16], got 17"},
+      {"ClusterTooLarge", A, with([](Options& o) { o.cluster = attnres::tuning::kMaxCluster + 1; }), same, false,
+       "options.cluster must be in [0, " + max_cluster + "], got " + std::to_string(attnres::tuning::kMaxCluster + 1)},
       {"ClusterNegative", R, with([](Options& o) { o.cluster = -1; }), same, false,
-       "options.cluster must be in [0, 16], got -1"},
+       "options.cluster must be in [0, " + max_cluster + "], got -1"},
   };
 }
 

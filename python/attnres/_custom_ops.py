@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._tensors import ref, stream_of
+from ._tensors import ref, ref_leading_rows, stream_of
 from .options import Options
 
 _OPS = _C.AttnResOp
@@ -38,6 +38,8 @@ def _run(op, options: Options, **tensors) -> None:
     for key, value in tensors.items():
         if key in ("rms_eps", "norm_eps"):
             setattr(args, key, float(value))
+        elif isinstance(value, _C.TensorRef):
+            setattr(args, key, value)
         else:
             setattr(args, key, ref(value, name, key))
     args.snapshot_slot = snapshot_slot
@@ -191,6 +193,16 @@ def _(layer_residual, layer_residual_add, layer_residual_add2, block_residual, r
     return _add_rmsnorm_fake(layer_residual, return_mixture)
 
 
+def check_bank_in_storage(bank: Tensor, rows: int, op: str) -> None:
+    """Refuses a snapshot row that lies past the bank's storage (the C++ layer sees only pointers)."""
+    _, T, H = bank.shape
+    s = bank.stride()
+    last = bank.storage_offset() + (rows - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
+    if (last + 1) * bank.element_size() > bank.untyped_storage().nbytes():
+        raise ValueError(f"{op}: snapshot_slot {rows - 1} lies outside block_residual's storage "
+                         f"(the bank must be allocated with at least {rows} snapshot rows)")
+
+
 # The snapshot-writing variant mutates the bank, so it takes the bank as a whole ([rows, T, H] with rows >
 # snapshot_slot) plus the candidate count K, and declares the mutation: functionalization under
 # torch.compile then sees the write.
@@ -214,7 +226,11 @@ def attn_res_add_rmsnorm_snapshot_op(
     force_kernel: str = "auto",
     cluster: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    block = bank.as_strided((num_snapshots, *bank.shape[1:]), bank.stride(), bank.storage_offset())
+    if bank.dim() == 3 and min(bank.stride()) >= 0 and snapshot_slot >= 0:
+        check_bank_in_storage(bank, max(num_snapshots, snapshot_slot + 1), "attn_res_add_rmsnorm")
+    # The candidates are the bank's first K rows, addressed from the bank's own pointer (valid for K = 0).
+    block = ref_leading_rows(bank, num_snapshots, "attn_res_add_rmsnorm", "block_residual") \
+        if bank.dim() == 3 else bank
     return _add_rmsnorm(
         _OPS.attn_res_add_rmsnorm, layer_residual, layer_residual_add, layer_residual_add2, block, res_weight,
         rms_weight, norm_weight, rms_eps, norm_eps, return_mixture, snapshot_slot,

@@ -21,20 +21,27 @@ _DTYPES = {
 }
 
 ABSENT = _C.TensorRef()
+_C_MAX_RANK = 4  # attnres::kMaxRank
 
 
 def as_tensor(x, op: str, name: str):
     """Accepts a torch.Tensor, None, or any DLPack producer (zero-copy through torch.from_dlpack)."""
-    if x is None or isinstance(x, torch.Tensor):
-        return x
-    if hasattr(x, "__dlpack__"):
-        return torch.from_dlpack(x)
-    raise TypeError(f"{op}: {name} must be a torch.Tensor or a DLPack producer, got {type(x).__name__}")
+    if x is not None and not isinstance(x, torch.Tensor):
+        if not hasattr(x, "__dlpack__"):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor or a DLPack producer, got {type(x).__name__}")
+        x = torch.from_dlpack(x)
+    # Checked before dispatch: a meta tensor among CPU tensors would otherwise be routed to the fake
+    # implementation and "succeed" without computing anything.
+    if x is not None and x.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{op}: {name} is on {x.device}: only cpu and cuda tensors are supported")
+    return x
 
 
 def ref(t: torch.Tensor | None, op: str, name: str) -> _C.TensorRef:
     if t is None:
         return ABSENT
+    if t.dim() > _C_MAX_RANK:
+        raise _C.ArgumentError(f"{op}: {name} has rank {t.dim()}: the library takes tensors of rank <= {_C_MAX_RANK}")
     dev = t.device
     if dev.type == "cuda":
         dev_type, dev_index = _C.DeviceType.cuda, dev.index if dev.index is not None else torch.cuda.current_device()
@@ -43,6 +50,14 @@ def ref(t: torch.Tensor | None, op: str, name: str) -> _C.TensorRef:
     else:
         raise ValueError(f"{op}: {name} is on {dev}: only cpu and cuda tensors are supported")
     return _C.TensorRef(t.data_ptr(), _DTYPES.get(t.dtype, _C.DType.other), dev_type, dev_index, t.shape, t.stride())
+
+
+def ref_leading_rows(t: torch.Tensor, rows: int, op: str, name: str) -> _C.TensorRef:
+    """A TensorRef of t's first `rows` entries along dim 0, keeping t's data pointer even when rows == 0
+    (PyTorch reports a null data_ptr for an empty view, and a snapshot write needs the bank's base)."""
+    r = ref(t, op, name)
+    return _C.TensorRef(r.data, _DTYPES.get(t.dtype, _C.DType.other), r.device_type, r.device_index,
+                        [rows, *t.shape[1:]], t.stride())
 
 
 def stream_of(t: torch.Tensor) -> int:

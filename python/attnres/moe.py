@@ -31,6 +31,7 @@ from torch import Tensor
 
 from . import _C, knobs
 from ._tensors import as_tensor, ref, stream_of
+from .planning import device_info
 from .reference import two_rounding_rmsnorm
 
 log = logging.getLogger("attnres.moe")
@@ -192,15 +193,6 @@ def reference_moe_finalize(rows: Tensor, weights: Tensor, index: Tensor, *, shar
 
 
 # -------------------------------------------------------------------------------------------- the gate
-def _device_info(device: torch.device) -> _C.DeviceInfo:
-    if device.type == "cpu":
-        return _C.query_device(_C.DeviceType.cpu, 0)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
-        return _C.query_device(_C.DeviceType.cuda, index)
-    raise ValueError(f"{OP}: device {device} is not supported (cpu or cuda)")
-
-
 def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
                                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.bfloat16, torch.float32),
                                 device="cpu", world_size: int = 1, *,
@@ -226,7 +218,11 @@ def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
     q.tokens, q.routes, q.hidden = tokens, k, hidden
     q.rows_dtype = _TORCH_TO_C.get(dtypes[0], _C.DType.other)
     q.weights_dtype = _TORCH_TO_C.get(dtypes[1], _C.DType.other)
-    plan = _C.moe_finalize_plan_query(q, _device_info(torch.device(device)), _C.MoeFinalizeOptions())
+    try:
+        info = device_info(device)
+    except _C.ArgumentError as e:  # a support predicate answers, it does not raise, for a missing device
+        return False, str(e)
+    plan = _C.moe_finalize_plan_query(q, info, _C.MoeFinalizeOptions())
     if not plan.accepted:
         return False, plan.decline
     return True, ""

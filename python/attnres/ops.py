@@ -60,19 +60,16 @@ def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, nor
 
 def _bank_through_slot(block: Tensor, slot: int, op: str) -> Tensor:
     """The bank as a [max(K, slot + 1), T, H] view of block_residual's storage, so the snapshot row (outside
-    the [K, T, H] candidate view) is addressed through the same strides; refuses rows past the storage."""
-    if block.dim() != 3:
-        return block  # the library rejects the rank
+    the [K, T, H] candidate view) is addressed through the same strides. Rows past the storage are refused
+    here in eager mode (a clear message) and by the op itself when compiled (the view's storage offset is
+    not traceable)."""
+    if block.dim() != 3 or min(block.stride()) < 0:
+        return block  # the library rejects the rank or the strides
     K, T, H = block.shape
     rows = max(K, slot + 1)
-    s = block.stride()
-    if min(s) < 0:
-        return block  # the library rejects negative strides
-    last = block.storage_offset() + (rows - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
-    if (last + 1) * block.element_size() > block.untyped_storage().nbytes():
-        raise ValueError(f"{op}: snapshot_slot {slot} lies outside block_residual's storage "
-                         f"(the bank must be allocated with at least {slot + 1} snapshot rows)")
-    return block.as_strided((rows, T, H), s, block.storage_offset())
+    if not torch.compiler.is_compiling():
+        _custom_ops.check_bank_in_storage(block, rows, op)
+    return block.as_strided((rows, T, H), block.stride())
 
 
 def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight, norm_weight,

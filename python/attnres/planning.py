@@ -30,7 +30,8 @@ class PlanInfo:
         return self.decline is None
 
 
-def _device_info(device) -> _C.DeviceInfo:
+def device_info(device) -> _C.DeviceInfo:
+    """The library's DeviceInfo for a torch device (raises ArgumentError for a CUDA index that does not exist)."""
     device = torch.device(device)
     if device.type == "cpu":
         return _C.query_device(_C.DeviceType.cpu, 0)
@@ -50,7 +51,7 @@ def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", ad
     q.op = getattr(_C.AttnResOp, op)
     q.tokens, q.candidates, q.hidden = int(tokens), int(candidates), int(hidden)
     q.add, q.add2, q.tap, q.snapshot, q.diagnostics = bool(add), bool(add2), bool(tap), bool(snapshot), bool(diagnostics)
-    p = _C.plan_query(q, _device_info(device), (options or DEFAULT).to_c())
+    p = _C.plan_query(q, device_info(device), (options or DEFAULT).to_c())
     if not p.accepted:
         return PlanInfo(kernel=None, decline=p.decline)
     return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,

@@ -46,10 +46,31 @@ NB_MODULE(_C, m) {
   // its functions until interpreter exit), which nanobind's shutdown check would report as leaks.
   nb::set_leak_warnings(false);
 
-  nb::exception<Error>(m, "Error", PyExc_RuntimeError);
-  nb::exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
-  nb::exception<UnsupportedError>(m, "UnsupportedError", PyExc_RuntimeError);
-  nb::exception<CudaError>(m, "CudaError", PyExc_RuntimeError);
+  // One Python hierarchy mirroring the C++ one, so `except attnres.AttnResError` catches everything the library
+  // raises, while precondition violations stay ValueErrors and declines/launch failures RuntimeErrors.
+  static PyObject* error = PyErr_NewException("attnres._C.Error", PyExc_RuntimeError, nullptr);
+  static PyObject* argument_error = PyErr_NewException(
+      "attnres._C.ArgumentError", nb::make_tuple(nb::handle(error), nb::handle(PyExc_ValueError)).release().ptr(),
+      nullptr);
+  static PyObject* unsupported_error = PyErr_NewException("attnres._C.UnsupportedError", error, nullptr);
+  static PyObject* cuda_error = PyErr_NewException("attnres._C.CudaError", error, nullptr);
+  m.attr("Error") = nb::handle(error);
+  m.attr("ArgumentError") = nb::handle(argument_error);
+  m.attr("UnsupportedError") = nb::handle(unsupported_error);
+  m.attr("CudaError") = nb::handle(cuda_error);
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const ArgumentError& e) {
+      PyErr_SetString(argument_error, e.what());
+    } catch (const UnsupportedError& e) {
+      PyErr_SetString(unsupported_error, e.what());
+    } catch (const CudaError& e) {
+      PyErr_SetString(cuda_error, e.what());
+    } catch (const Error& e) {
+      PyErr_SetString(error, e.what());
+    }
+  });
 
   nb::enum_<DType>(m, "DType")
       .value("bf16", DType::bf16)
@@ -87,6 +108,8 @@ NB_MODULE(_C, m) {
            nb::arg("data"), nb::arg("dtype"), nb::arg("device_type"), nb::arg("device_index"), nb::arg("shape"),
            nb::arg("strides"))
       .def_prop_ro("present", &TensorRef::present)
+      .def_prop_ro("device_type", [](const TensorRef& t) { return t.device.type; })
+      .def_prop_ro("device_index", [](const TensorRef& t) { return t.device.index; })
       .def_prop_ro("shape", [](const TensorRef& t) { return dims(t.shape, t.ndim); })
       .def_prop_ro("strides", [](const TensorRef& t) { return dims(t.strides, t.ndim); })
       .def_prop_ro("data", [](const TensorRef& t) { return reinterpret_cast<uintptr_t>(t.data); });

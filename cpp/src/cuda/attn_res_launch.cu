@@ -26,7 +26,6 @@ KernelFn by_bucket(int max_candidates) {
   }
   if constexpr (CLUSTER) {
     switch (max_candidates) {
-      case 6: return attn_res_per_token_kernel<6, M, true>;
       case 9: return attn_res_per_token_kernel<9, M, true>;
       case 12: return attn_res_per_token_kernel<12, M, true>;
       case 16: return attn_res_per_token_kernel<16, M, true>;
