@@ -43,9 +43,11 @@ if [[ $mode == test || $mode == full ]]; then
     tail -30 "$OUT/ctest.log"; echo "CTEST BUILD FAILED"; status=1
   fi
   step "pytest (GPU cases run)"
-  python3 -m pytest -q -x -p no:cacheprovider -n 8 --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
+  python3 -m pytest -q --maxfail=40 -p no:cacheprovider -n 8 --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
-  tail -25 "$OUT/pytest.log"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -45
+  step "quick decode benchmark"
+  python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -6
 fi
 
 if [[ $mode == profile ]]; then
