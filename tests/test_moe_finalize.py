@@ -713,7 +713,7 @@ def test_helper_world_size_all_reduces_between_combine_and_norm(device):
     partial = moe.reference_moe_finalize(case.rows, case.weights, case.index, shared=case.shared, eps=case.eps,
                                          scale=case.scale)
     from attnres.reference import two_rounding_rmsnorm
-    check_close(out, two_rounding_rmsnorm((partial.double() * 2).to(BF16), case.norm_weight, case.eps), "TP tail")
+    check_close(out, two_rounding_rmsnorm((partial.double() * 2).to(BF16), case.norm_weight.cpu(), case.eps), "TP tail")
     with pytest.raises(ValueError, match="world_size = 2 needs all_reduce"):
         helper(case, world_size=2, max_tokens=16)
 

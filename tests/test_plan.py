@@ -55,14 +55,16 @@ def test_forced_cuda_kernels_are_declined_on_cpu(op, kernel):
                      **_flags(op))
     assert not p.accepted and p.kernel is None
     assert p.decline == (ATTN_RES_NOT_PERSISTENT if (op, kernel) == ("attn_res", "persistent") else
-                         f"kernel {kernel} runs on CUDA devices; the tensors are on cpu")
+                         f"kernel {kernel} runs on CUDA devices; the tensors are on cpu"), p
 
 
 def test_attn_res_declines_the_forced_persistent_kernel(device):
-    """Forcing the persistent kernel on attn_res is declined on every device (it has no diagnostics)."""
-    p = attnres.plan("attn_res", tokens=100, candidates=9, hidden=7168, device=device, diagnostics=True,
-                     options=attnres.Options(kernel="persistent"))
-    assert p.decline == ATTN_RES_NOT_PERSISTENT
+    """Forcing the persistent kernel on attn_res is declined with the same reason on every device: only the
+    per-token kernels emit the fp32 diagnostics."""
+    for dev in _devices_without_a_gpu_needed(device):
+        p = attnres.plan("attn_res", tokens=100, candidates=9, hidden=7168, device=dev, diagnostics=True,
+                         options=attnres.Options(kernel="persistent"))
+        assert p.decline == ATTN_RES_NOT_PERSISTENT, (dev, p)
 
 
 def test_forcing_the_cpu_kernel_on_cpu_is_accepted():

@@ -145,7 +145,7 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
     p.cluster = 1;
     p.threads = round_up(vecs, 32);
   } else {
-    int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.tokens, q.hidden);
+    int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     cluster = static_cast<int32_t>(std::min<int64_t>(cluster, vecs));  // every block owns >= 1 vector
     p.cluster = std::max(cluster, 1);
     p.threads = round_up((vecs + p.cluster - 1) / p.cluster, 32);

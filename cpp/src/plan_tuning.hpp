@@ -40,14 +40,13 @@ inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden
   return false;
 }
 
-// split_k cluster size: enough blocks that each owns at most 128 vectors (1024 elements); for small grids
-// (T <= 8) and H >= 4096, the full 8 blocks (more SMs per token while the GPU is mostly idle). Measured at
-// H = 7168: T <= 8 favours 8 blocks (T = 1, N = 9: 3.59 us vs 3.66 us at 7), T = 32 favours 7 (5.37 us vs
-// 5.76 us).
-inline int32_t split_k_cluster(int64_t tokens, int64_t hidden) {
+// split_k cluster size: enough blocks that each owns at most 128 vectors (1024 elements), capped at the
+// portable 8. A function of H only, never of T: a token's result must not depend on how many tokens share
+// the call (the cluster size sets the reduction order). Measured at H = 7168 (7 blocks): 3.66 us at T = 1,
+// N = 9 (8 blocks: 3.59 us) and 5.37 us at T = 32 (8 blocks: 5.76 us).
+inline int32_t split_k_cluster(int64_t hidden) {
   const int64_t vecs = hidden / 8;
   int64_t c = (vecs + 127) / 128;
-  if (tokens <= 8 && hidden >= 4096) c = 8;
   if (c < 1) c = 1;
   if (c > kMaxCluster) c = kMaxCluster;
   return static_cast<int32_t>(c);

@@ -46,31 +46,13 @@ NB_MODULE(_C, m) {
   // its functions until interpreter exit), which nanobind's shutdown check would report as leaks.
   nb::set_leak_warnings(false);
 
-  // One Python hierarchy mirroring the C++ one, so `except attnres.AttnResError` catches everything the library
-  // raises, while precondition violations stay ValueErrors and declines/launch failures RuntimeErrors.
-  static PyObject* error = PyErr_NewException("attnres._C.Error", PyExc_RuntimeError, nullptr);
-  static PyObject* argument_error = PyErr_NewException(
-      "attnres._C.ArgumentError", nb::make_tuple(nb::handle(error), nb::handle(PyExc_ValueError)).release().ptr(),
-      nullptr);
-  static PyObject* unsupported_error = PyErr_NewException("attnres._C.UnsupportedError", error, nullptr);
-  static PyObject* cuda_error = PyErr_NewException("attnres._C.CudaError", error, nullptr);
-  m.attr("Error") = nb::handle(error);
-  m.attr("ArgumentError") = nb::handle(argument_error);
-  m.attr("UnsupportedError") = nb::handle(unsupported_error);
-  m.attr("CudaError") = nb::handle(cuda_error);
-  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
-    try {
-      std::rethrow_exception(p);
-    } catch (const ArgumentError& e) {
-      PyErr_SetString(argument_error, e.what());
-    } catch (const UnsupportedError& e) {
-      PyErr_SetString(unsupported_error, e.what());
-    } catch (const CudaError& e) {
-      PyErr_SetString(cuda_error, e.what());
-    } catch (const Error& e) {
-      PyErr_SetString(error, e.what());
-    }
-  });
+  // Precondition violations are ValueErrors; declines and launch failures RuntimeErrors under attnres.Error.
+  // (A hand-written translator creating an ArgumentError(Error, ValueError) class crashed the interpreter on
+  // the H200 machine's Python 3.12 + nanobind 3.1 build; nanobind's own registration is used instead.)
+  nb::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  nb::exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
+  nb::exception<UnsupportedError>(m, "UnsupportedError", error);
+  nb::exception<CudaError>(m, "CudaError", error);
 
   nb::enum_<DType>(m, "DType")
       .value("bf16", DType::bf16)
