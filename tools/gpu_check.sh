@@ -46,8 +46,10 @@ if [[ $mode == test || $mode == full ]]; then
   python3 -m pytest -q --maxfail=40 -p no:cacheprovider -n 8 --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -45
-  step "quick decode benchmark"
-  python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -6
+  if [[ ${QUICK_BENCH:-1} == 1 ]]; then
+    step "quick decode benchmark"
+    python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -6
+  fi
 fi
 
 if [[ $mode == profile ]]; then
