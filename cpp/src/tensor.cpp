@@ -1,7 +1,7 @@
 #include "attnres/tensor.hpp"
 
 #include <algorithm>
-#include <sstream>
+#include <string>
 
 #include "attnres/error.hpp"
 
@@ -57,12 +57,16 @@ void TensorRef::byte_range(uintptr_t& lo, uintptr_t& hi) const {
   hi = lo + static_cast<uintptr_t>((last + 1) * dtype_size(dtype));
 }
 
+// Plain string concatenation, no iostreams: on the H200 machine, Python processes that had torch loaded
+// segfaulted inside std::ostringstream when this code built an error message (every rejection whose message
+// printed a shape or strides crashed its pytest worker; ctest, without torch, passed the same checks).
 static std::string list_string(const int64_t* v, int n) {
-  std::ostringstream os;
-  os << '[';
-  for (int i = 0; i < n; ++i) os << (i ? ", " : "") << v[i];
-  os << ']';
-  return os.str();
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  return s + "]";
 }
 
 std::string TensorRef::shape_string() const { return list_string(shape, ndim < 0 ? 0 : ndim); }
