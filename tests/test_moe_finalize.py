@@ -577,7 +577,7 @@ def test_cpu_views_offset_by_one_element_work_through_their_strides():
 
 # ------------------------------------------------------------------------------------------------- the gate
 def test_gate_default_and_override():
-    gate = knobs.CURRENT.moe_finalize_max_tokens  # 2 unless the environment sets the knob
+    gate = knobs.CURRENT.moe_finalize_max_tokens  # 16 unless the environment sets the knob
     assert moe.supports_fused_moe_finalize(1, 16, 3584)[0] == (gate >= 1)
     ok, why = moe.supports_fused_moe_finalize(3, 16, 3584, max_tokens=2)
     assert not ok and why == "T = 3 is above the token gate (ATTNRES_MOE_FINALIZE_MAX_TOKENS = 2)"

@@ -4,17 +4,21 @@
 
 #include "attnres/attn_res.hpp"
 #include "attnres/device.hpp"
+#include "attnres/moe_finalize.hpp"
+#include "attnres/version.hpp"
 
 namespace attnres::detail {
 
 // CPU backend: the whole contract, fp32 arithmetic with the contract's rounding boundaries.
 void cpu_attn_res(AttnResOp op, const AttnResArgs& args);
+void cpu_moe_finalize(const MoeFinalizeArgs& args);
 
 #if ATTNRES_WITH_CUDA
 int cuda_device_count();
 DeviceInfo cuda_query_device(int index);
 // Launches the per-token kernel `plan` chose on args.stream. Throws CudaError on a failed launch.
 void cuda_attn_res(AttnResOp op, const AttnResArgs& args, const Plan& plan);
+void cuda_moe_finalize(const MoeFinalizeArgs& args, const MoeFinalizePlan& plan);
 #endif
 
 }  // namespace attnres::detail

@@ -5,14 +5,7 @@
 #include "attnres/error.hpp"
 #include "attnres/moe_finalize.hpp"
 #include "attnres/version.hpp"
-
-namespace attnres::detail {
-// Backends (cpu/moe_finalize_cpu.cpp, cuda/moe_finalize_kernel.cu).
-void cpu_moe_finalize(const MoeFinalizeArgs& args);
-#if ATTNRES_WITH_CUDA
-void cuda_moe_finalize(const MoeFinalizeArgs& args, const MoeFinalizePlan& plan);
-#endif
-}  // namespace attnres::detail
+#include "backend.hpp"
 
 namespace attnres {
 

@@ -91,7 +91,11 @@ KNOBS = (
     WordKnob("KIMI_K3_ATTN_RES_TOPOLOGY", "per_token", ("per_token", "persistent", "split"),
              "kernel topology of the fused sites"),
     BoolKnob("KIMI_K3_AUX_ATTN_RES_STREAM", True, "what a capture tap holds: 1 the pre-norm mixture, 0 the raw prefix"),
-    IntKnob("ATTNRES_MOE_FINALIZE_MAX_TOKENS", 2, 0, 16, "token gate of the fused MoE finalize; 0 disables it"),
+    # Default 16 (the top of the range), chosen by the same-run interleaved A/B of bench_results/h200_4aed4f9.json:
+    # the fused finalize took 4.9-5.5 us against 60-73 us for the unfused PyTorch sequence at every T in 1..16
+    # (k = 16, D = 3584), so no token count inside the range prefers the unfused path (the seed's 2 was
+    # measured on another GPU with an all-reduce inside the fused kernel).
+    IntKnob("ATTNRES_MOE_FINALIZE_MAX_TOKENS", 16, 0, 16, "token gate of the fused MoE finalize; 0 disables it"),
 )
 
 
