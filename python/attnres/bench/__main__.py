@@ -30,13 +30,21 @@ def _progress_printer():
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
-    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "all"], help="which sweep to run")
+    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "all", "plot"],
+                   help="which sweep to run; 'plot' draws the PNGs of an existing results file (--out) into --plots")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
     p.add_argument("--out", default="bench_results.json", help="results file (JSON)")
     p.add_argument("--commit", default=None, help="commit the numbers belong to (default: git HEAD)")
     p.add_argument("--no-pdl", action="store_true", help="decode suite without programmatic dependent launch")
     p.add_argument("--repeats", type=int, default=25, help="timed replays per variant (interleaved)")
+    p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go")
     args = p.parse_args(argv)
+    if args.suite == "plot":
+        from .plots import make_plots
+
+        for path in make_plots(args.out, args.plots):
+            print(path)
+        return 0
     if not torch.cuda.is_available():
         print("attnres.bench needs a CUDA GPU", file=sys.stderr)
         return 2
