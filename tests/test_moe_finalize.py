@@ -515,7 +515,7 @@ def _raw_rejections():
          "moe_finalize: output is on cuda:0 but rows is on cpu (all tensors must be on one device)"),
         ("cuda_rows_offset_by_one", lambda c, o, k: raw_args(
             cuda_ref(c.rows, offset_bytes=2), cuda_ref(c.weights), cuda_ref(c.index), output=cuda_ref(o)),
-         "moe_finalize: rows must be 16-byte aligned for the CUDA kernel"),
+         "moe_finalize: rows must be 16-byte aligned for the CUDA kernels"),
         ("cuda_shared_offset_by_one", lambda c, o, k: raw_args(
             cuda_ref(c.rows), cuda_ref(c.weights), cuda_ref(c.index),
             shared=cuda_ref(held(k, torch.zeros(3 * 64 + 8, dtype=BF16)), offset_bytes=2, shape=[3, 64], strides=[64, 1]),

@@ -7,15 +7,16 @@
 
 #include "attnres/error.hpp"
 #include "attnres/moe_finalize.hpp"
+#include "checks.hpp"
 #include "layout.hpp"
 
 namespace attnres {
 
 namespace {
 
-[[noreturn]] void fail(const std::string& arg, const std::string& rule) {
-  throw ArgumentError("moe_finalize: " + arg + " " + rule);
-}
+const detail::Checker check("moe_finalize");
+
+[[noreturn]] void fail(const std::string& arg, const std::string& rule) { check.fail(arg, rule); }
 
 std::string num(int64_t v) { return std::to_string(v); }
 
@@ -32,22 +33,6 @@ void shape2(const char* arg, const TensorRef& t, int64_t d0, int64_t d1, const c
                   t.shape_string());
 }
 
-void dtype(const char* arg, const TensorRef& t, DType want) {
-  if (t.dtype != want) fail(arg, std::string("must be ") + dtype_name(want) + ", got " + dtype_name(t.dtype));
-}
-
-// Strides non-negative, innermost stride 1, no element reachable through two indices, a data pointer.
-void strided_rows(const char* arg, const TensorRef& t) {
-  for (int i = 0; i < t.ndim; ++i)
-    if (t.strides[i] < 0) fail(arg, "has a negative stride " + t.strides_string());
-  if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
-    fail(arg, "must have a contiguous last dimension (stride 1), got strides " + t.strides_string());
-  if (!detail::non_overlapping(t))
-    fail(arg, "has an overlapping layout (shape " + t.shape_string() + ", strides " + t.strides_string() +
-                  "): every element must have its own address");
-  if (t.numel() > 0 && t.data == nullptr) fail(arg, "has a null data pointer");
-}
-
 // The kernel addresses weights and index as t * k + j: a padded or sliced [T, k] view would be misread.
 void dense(const char* arg, const TensorRef& t) {
   const bool ok = (t.shape[1] <= 1 || t.strides[1] == 1) && (t.shape[0] <= 1 || t.strides[0] == t.shape[1]);
@@ -60,17 +45,6 @@ void dense(const char* arg, const TensorRef& t) {
 void naturally_aligned(const char* arg, const TensorRef& t) {
   if (t.numel() > 0 && reinterpret_cast<uintptr_t>(t.data) % dtype_size(t.dtype) != 0)
     fail(arg, "data pointer is not aligned to its element size (" + num(dtype_size(t.dtype)) + " bytes)");
-}
-
-// CUDA: rows, shared, norm_weight and output are read or written in 16-byte vectors (8 x bf16).
-void aligned16(const char* arg, const TensorRef& t) {
-  if (!t.present() || t.numel() == 0) return;
-  bool ok = reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
-  for (int i = 0; i + 1 < t.ndim; ++i)
-    if (t.shape[i] > 1 && (t.strides[i] * dtype_size(t.dtype)) % 16 != 0) ok = false;
-  if (!ok)
-    fail(arg, "must be 16-byte aligned for the CUDA kernel (base pointer and row stride a multiple of 16 "
-              "bytes), got strides " + t.strides_string());
 }
 
 void scan_index(const TensorRef& index, int64_t rows) {
@@ -109,7 +83,7 @@ void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
     fail("index", "holds T = " + num(T) + " tokens: T must be in [1, " + num(kMoeFinalizeMaxTokens) + "]");
   if (k < 1 || k > kMoeFinalizeMaxRoutes)
     fail("index", "holds k = " + num(k) + " routes per token: k must be in [1, " + num(kMoeFinalizeMaxRoutes) + "]");
-  dtype("index", a.index, DType::i32);
+  check.dtype("index", a.index, DType::i32);
 
   // 3. The weights match the index map in shape; fp32 or bf16.
   if (a.weights.ndim != 2 || a.weights.shape[0] != T || a.weights.shape[1] != k)
@@ -123,22 +97,22 @@ void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
   const int64_t R = a.rows.shape[0], D = a.rows.shape[1];
   if (D < kMoeFinalizeHiddenMultiple || D > kMoeFinalizeMaxHidden || D % kMoeFinalizeHiddenMultiple != 0)
     fail("rows", "hidden size D = " + num(D) + " must be a multiple of 8 in [8, " + num(kMoeFinalizeMaxHidden) + "]");
-  dtype("rows", a.rows, DType::bf16);
+  check.dtype("rows", a.rows, DType::bf16);
 
   // 5. Optional inputs and the output.
   if (a.shared.present()) {
     shape2("shared", a.shared, T, D, "[T, D]");
-    dtype("shared", a.shared, DType::bf16);
+    check.dtype("shared", a.shared, DType::bf16);
   }
   if (a.norm_weight.present()) {
     rank("norm_weight", a.norm_weight, 1, "[D]");
     if (a.norm_weight.shape[0] != D)
       fail("norm_weight", "must have shape [D] = [" + num(D) + "], got " + a.norm_weight.shape_string());
-    dtype("norm_weight", a.norm_weight, DType::bf16);
+    check.dtype("norm_weight", a.norm_weight, DType::bf16);
   }
   if (a.output.present()) {
     shape2("output", a.output, T, D, "[T, D]");
-    dtype("output", a.output, DType::bf16);
+    check.dtype("output", a.output, DType::bf16);
   }
 
   const std::vector<Named> inputs = {{"rows", &a.rows}, {"weights", &a.weights}, {"index", &a.index},
@@ -149,23 +123,21 @@ void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
   std::vector<Named> all = inputs;
   all.push_back({"output", &a.output});
   for (const Named& t : all)
-    if (t.ref->present() && t.ref->device != dev)
-      fail(t.name, "is on " + device_name(t.ref->device) + " but rows is on " + device_name(dev) +
-                       " (all tensors must be on one device)");
+    if (t.ref->present()) check.device(t.name, *t.ref, dev, "rows");
 
   // 7. Layouts.
-  strided_rows("rows", a.rows);
+  check.layout("rows", a.rows);
   if (R > 1 && a.rows.strides[0] % kMoeFinalizeHiddenMultiple != 0)
     fail("rows", "row stride " + num(a.rows.strides[0]) + " must be a multiple of 8 elements (16 bytes)");
   dense("weights", a.weights);
   dense("index", a.index);
   for (const Named& t : {Named{"shared", &a.shared}, Named{"norm_weight", &a.norm_weight}, Named{"output", &a.output}})
-    if (t.ref->present()) strided_rows(t.name, *t.ref);
+    if (t.ref->present()) check.layout(t.name, *t.ref);
   for (const Named& t : all)
     if (t.ref->present()) naturally_aligned(t.name, *t.ref);
 
   // 8. Scalars.
-  if (!std::isfinite(a.eps) || a.eps < 0) fail("eps", "must be finite and >= 0, got " + std::to_string(a.eps));
+  check.eps("eps", a.eps);
   if (!std::isfinite(a.scale)) fail("scale", "must be finite, got " + std::to_string(a.scale));
 
   // 9. The output aliases no input.
@@ -178,7 +150,7 @@ void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
   if (dev.type == DeviceType::cuda) {
     for (const Named& t : {Named{"rows", &a.rows}, Named{"shared", &a.shared}, Named{"norm_weight", &a.norm_weight},
                            Named{"output", &a.output}})
-      aligned16(t.name, *t.ref);
+      check.aligned16(t.name, *t.ref);
   } else {
     scan_index(a.index, R);
   }

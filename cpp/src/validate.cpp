@@ -7,6 +7,7 @@
 
 #include "attnres/attn_res.hpp"
 #include "attnres/error.hpp"
+#include "checks.hpp"
 #include "layout.hpp"
 
 namespace attnres {
@@ -38,22 +39,14 @@ OpTable op_table(AttnResOp op) {
   throw ArgumentError("attnres: unknown op " + std::to_string(static_cast<int>(op)));
 }
 
-class Checker {
+// The attention-residual rules on top of the shared checks.
+class Checker : public detail::Checker {
  public:
-  explicit Checker(AttnResOp op) : op_(op_name(op)) {}
-
-  [[noreturn]] void fail(const std::string& arg, const std::string& rule) const {
-    throw ArgumentError(op_ + ": " + arg + " " + rule);
-  }
+  explicit Checker(AttnResOp op) : detail::Checker(op_name(op)) {}
 
   void presence(const char* arg, const TensorRef& t, Use use, bool require_outputs = true) const {
     if (use == Use::refused && t.present()) fail(arg, "is not an argument of this op");
     if (use == Use::required && !t.present() && require_outputs) fail(arg, "is required");
-  }
-
-  void dtype(const char* arg, const TensorRef& t, DType want) const {
-    if (t.dtype != want)
-      fail(arg, std::string("must be ") + dtype_name(want) + ", got " + dtype_name(t.dtype));
   }
 
   // Rank and exact shape; `want` entries < 0 match anything.
@@ -66,45 +59,12 @@ class Checker {
                                                                  expected(want) + ", got " + t.shape_string());
   }
 
-  void layout(const char* arg, const TensorRef& t) const {
-    for (int i = 0; i < t.ndim; ++i)
-      if (t.strides[i] < 0) fail(arg, "has a negative stride " + t.strides_string());
-    if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
-      fail(arg, "must have a contiguous last dimension (stride 1), got strides " + t.strides_string());
-    if (!detail::non_overlapping(t))
-      fail(arg, "has an overlapping layout (shape " + t.shape_string() + ", strides " + t.strides_string() +
-                    "): every element must have its own address");
-    if (t.numel() > 0 && t.data == nullptr) fail(arg, "has a null data pointer");
-  }
-
-  void device(const char* arg, const TensorRef& t, Device want, const char* ref_arg) const {
-    if (t.device != want)
-      fail(arg, "is on " + device_name(t.device) + " but " + ref_arg + " is on " + device_name(want) +
-                    " (all tensors must be on one device)");
-  }
-
-  void eps(const char* arg, double v) const {
-    if (!std::isfinite(v) || v < 0) fail(arg, "must be finite and >= 0, got " + std::to_string(v));
-  }
-
-  // CUDA kernels read and write 16-byte vectors (8 x bf16): base pointer and every outer stride aligned.
-  void aligned16(const char* arg, const TensorRef& t) const {
-    if (!t.present() || t.numel() == 0) return;
-    bool ok = reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
-    for (int i = 0; i + 1 < t.ndim; ++i)
-      if (t.shape[i] > 1 && (t.strides[i] * dtype_size(t.dtype)) % 16 != 0) ok = false;
-    if (!ok)
-      fail(arg, "must be 16-byte aligned for the CUDA kernels (base pointer and outer strides a multiple of "
-                "16 bytes), got strides " + t.strides_string());
-  }
-
  private:
   static std::string expected(const std::vector<int64_t>& want) {
     std::string s = "[";
     for (size_t i = 0; i < want.size(); ++i) s += (i ? ", " : "") + (want[i] < 0 ? std::string("*") : std::to_string(want[i]));
     return s + "]";
   }
-  std::string op_;
 };
 
 struct Named {

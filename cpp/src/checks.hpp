@@ -1,0 +1,65 @@
+// Precondition checks shared by every op's validation: one wording for one rule, whichever op reports it.
+// Messages: "<op>: <argument> <rule>".
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "attnres/error.hpp"
+#include "attnres/tensor.hpp"
+#include "layout.hpp"
+
+namespace attnres::detail {
+
+class Checker {
+ public:
+  explicit Checker(std::string op) : op_(std::move(op)) {}
+
+  [[noreturn]] void fail(const std::string& arg, const std::string& rule) const {
+    throw ArgumentError(op_ + ": " + arg + " " + rule);
+  }
+
+  void dtype(const char* arg, const TensorRef& t, DType want) const {
+    if (t.dtype != want) fail(arg, std::string("must be ") + dtype_name(want) + ", got " + dtype_name(t.dtype));
+  }
+
+  // Non-negative strides, innermost stride 1, no element reachable through two indices, a data pointer: a
+  // padded or sliced view works through its strides or is refused, never read as if dense.
+  void layout(const char* arg, const TensorRef& t) const {
+    for (int i = 0; i < t.ndim; ++i)
+      if (t.strides[i] < 0) fail(arg, "has a negative stride " + t.strides_string());
+    if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
+      fail(arg, "must have a contiguous last dimension (stride 1), got strides " + t.strides_string());
+    if (!non_overlapping(t))
+      fail(arg, "has an overlapping layout (shape " + t.shape_string() + ", strides " + t.strides_string() +
+                    "): every element must have its own address");
+    if (t.numel() > 0 && t.data == nullptr) fail(arg, "has a null data pointer");
+  }
+
+  void device(const char* arg, const TensorRef& t, Device want, const char* ref_arg) const {
+    if (t.device != want)
+      fail(arg, "is on " + device_name(t.device) + " but " + ref_arg + " is on " + device_name(want) +
+                    " (all tensors must be on one device)");
+  }
+
+  void eps(const char* arg, double v) const {
+    if (!std::isfinite(v) || v < 0) fail(arg, "must be finite and >= 0, got " + std::to_string(v));
+  }
+
+  // The CUDA kernels read and write 16-byte vectors (8 x bf16): base pointer and every outer stride aligned.
+  void aligned16(const char* arg, const TensorRef& t) const {
+    if (!t.present() || t.numel() == 0) return;
+    bool ok = reinterpret_cast<uintptr_t>(t.data) % 16 == 0;
+    for (int i = 0; i + 1 < t.ndim; ++i)
+      if (t.shape[i] > 1 && (t.strides[i] * dtype_size(t.dtype)) % 16 != 0) ok = false;
+    if (!ok)
+      fail(arg, "must be 16-byte aligned for the CUDA kernels (base pointer and outer strides a multiple of "
+                "16 bytes), got strides " + t.strides_string());
+  }
+
+ private:
+  std::string op_;
+};
+
+}  // namespace attnres::detail
