@@ -146,7 +146,9 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
     p.threads = round_up(vecs, 32);
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
-    cluster = static_cast<int32_t>(std::min<int64_t>(cluster, vecs));  // every block owns >= 1 vector
+    // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel
+    // predicates its loads and stores off, and it takes part in the exchanges with zeros).
+    cluster = static_cast<int32_t>(std::min<int64_t>(cluster, vecs));
     p.cluster = std::max(cluster, 1);
     p.threads = round_up((vecs + p.cluster - 1) / p.cluster, 32);
     if (p.threads > tuning::kSplitKMaxThreads)

@@ -21,6 +21,11 @@ _DTYPES = {
 }
 
 ABSENT = _C.TensorRef()
+
+
+def c_dtype(dtype: torch.dtype) -> _C.DType:
+    """The library's code for a torch dtype (DType.other for the ones it has no name for)."""
+    return _DTYPES.get(dtype, _C.DType.other)
 _C_MAX_RANK = 4  # attnres::kMaxRank
 
 
@@ -49,14 +54,14 @@ def ref(t: torch.Tensor | None, op: str, name: str) -> _C.TensorRef:
         dev_type, dev_index = _C.DeviceType.cpu, 0
     else:
         raise ValueError(f"{op}: {name} is on {dev}: only cpu and cuda tensors are supported")
-    return _C.TensorRef(t.data_ptr(), _DTYPES.get(t.dtype, _C.DType.other), dev_type, dev_index, t.shape, t.stride())
+    return _C.TensorRef(t.data_ptr(), c_dtype(t.dtype), dev_type, dev_index, t.shape, t.stride())
 
 
 def ref_leading_rows(t: torch.Tensor, rows: int, op: str, name: str) -> _C.TensorRef:
     """A TensorRef of t's first `rows` entries along dim 0, keeping t's data pointer even when rows == 0
     (PyTorch reports a null data_ptr for an empty view, and a snapshot write needs the bank's base)."""
     r = ref(t, op, name)
-    return _C.TensorRef(r.data, _DTYPES.get(t.dtype, _C.DType.other), r.device_type, r.device_index,
+    return _C.TensorRef(r.data, c_dtype(t.dtype), r.device_type, r.device_index,
                         [rows, *t.shape[1:]], t.stride())
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import _C, knobs
-from ._tensors import as_tensor, ref, stream_of
+from ._tensors import as_tensor, c_dtype, ref, stream_of
 from .planning import device_info
 from .reference import two_rounding_rmsnorm
 
@@ -42,15 +42,6 @@ MAX_TOKENS = 16384
 MAX_HIDDEN = 16384
 KERNELS = ("auto", "cpu", "single_cta")
 
-_TORCH_TO_C = {
-    torch.bfloat16: _C.DType.bf16,
-    torch.float32: _C.DType.f32,
-    torch.int32: _C.DType.i32,
-    torch.float16: _C.DType.f16,
-    torch.float64: _C.DType.f64,
-    torch.int64: _C.DType.i64,
-    torch.uint8: _C.DType.u8,
-}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -216,8 +207,8 @@ def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
                        "all-reduced between the combine and the norm)")
     q = _C.MoeFinalizeQuery()
     q.tokens, q.routes, q.hidden = tokens, k, hidden
-    q.rows_dtype = _TORCH_TO_C.get(dtypes[0], _C.DType.other)
-    q.weights_dtype = _TORCH_TO_C.get(dtypes[1], _C.DType.other)
+    q.rows_dtype = c_dtype(dtypes[0])
+    q.weights_dtype = c_dtype(dtypes[1])
     try:
         info = device_info(device)
     except _C.ArgumentError as e:  # a support predicate answers, it does not raise, for a missing device
