@@ -75,6 +75,7 @@ fi
 
 if [[ $mode == smoke ]]; then
   step "quick benchmarks"
+  python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" 2>&1 | tail -12
   python3 -m attnres.bench tune --quick --out "$OUT/tune_quick.json" 2>&1 | tail -8
   python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -8
 fi

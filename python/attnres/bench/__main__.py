@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import decode, finalize, floors, results, tune
+from . import chain, decode, finalize, floors, guard, results, tune
 
 
 def _progress_printer():
@@ -30,24 +30,52 @@ def _progress_printer():
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
-    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "all", "plot"],
-                   help="which sweep to run; 'plot' draws the PNGs of an existing results file (--out) into --plots")
+    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "guard", "all", "plot"],
+                   help="which sweep to run ('all': floors, decode, tune, finalize, chain); 'chain': the 93-layer "
+                        "Kimi K3 decode step with the MoE-tail fold on vs off (target P6); 'guard': a quick check of "
+                        "key points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of an "
+                        "existing results file (--out) into --plots")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
-    p.add_argument("--out", default="bench_results.json", help="results file (JSON)")
+    p.add_argument("--out", default=None, help="results file (JSON; default bench_results.json; guard: where to "
+                                               "write its measurements, none when omitted)")
     p.add_argument("--commit", default=None, help="commit the numbers belong to (default: git HEAD)")
-    p.add_argument("--no-pdl", action="store_true", help="decode suite without programmatic dependent launch")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="decode, chain and guard without programmatic dependent launch")
     p.add_argument("--repeats", type=int, default=25, help="timed replays per variant (interleaved)")
     p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go")
+    c = p.add_argument_group("chain")
+    c.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="cpu: the chain on the CPU backend with a small config, timed eagerly by wall clock (no "
+                        "graphs): exercises the code, measures nothing about the fold")
+    c.add_argument("--tokens", default=None,
+                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32)")
+    c.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168 on cuda, 512 on cpu)")
+    c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 25 on cpu)")
+    c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
+    g = p.add_argument_group("guard")
+    g.add_argument("--baseline", default=None,
+                   help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
+    g.add_argument("--against", default=None,
+                   help="compare this existing results file instead of measuring (no GPU needed)")
     args = p.parse_args(argv)
     if args.suite == "plot":
         from .plots import make_plots
 
-        for path in make_plots(args.out, args.plots):
+        for path in make_plots(args.out or "bench_results.json", args.plots):
             print(path)
         return 0
+    if args.device == "cpu" and args.suite != "chain":
+        p.error("--device cpu applies to the chain suite only")
+    if args.suite == "guard":
+        return _guard(args)
+    if args.suite == "chain" and args.device == "cpu":
+        return _chain_cpu(args)
     if not torch.cuda.is_available():
         print("attnres.bench needs a CUDA GPU", file=sys.stderr)
         return 2
+    args.out = args.out or "bench_results.json"
+    if args.suite in ("chain", "all"):  # a bad --tokens/--layers fails now, not after the other suites ran
+        chain_tokens, chain_config = _chain_tokens(args), _chain_config(args, "cuda")
 
     meta = results.metadata(args.commit)
     extra = {}
@@ -65,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
             records += tune.run(quick=args.quick, progress=progress)
         if args.suite in ("finalize", "all"):
             records += finalize.run(quick=args.quick, progress=progress, repeats=args.repeats)
+        if args.suite in ("chain", "all"):
+            records += chain.run(tokens=chain_tokens, device="cuda", config=chain_config, pdl=not args.no_pdl,
+                                 repeats=args.repeats, progress=progress)
     finally:
         if prog:
             prog.stop()
@@ -72,9 +103,91 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{meta['gpu']} commit {meta['commit']}: {len(records)} records -> {args.out}")
     if "floors" in extra:
         print(f"floors: copy {extra['floors']['copy_tbs']:.2f} TB/s, launch {extra['floors']['launch']['median_us']:.2f} us/node")
+    for line in chain.summary(records):
+        print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")
-    return 0
+    return 0 if _chains_agree(records) else 1
+
+
+def _chains_agree(records: list[dict]) -> bool:
+    """The chain suite's correctness checks (fold on = fold off, the fed chain = the model), reported on stderr."""
+    bad = sorted({r["T"] for r in records
+                  if r.get("suite") == "chain" and not (r["bitwise_equal"] and r["equals_model"])})
+    if bad:
+        print(f"chain: the fold-on and fold-off chains (or the fed chain and the model) DIFFER at T={bad}",
+              file=sys.stderr)
+    return not bad
+
+
+def _print_progress(i: int, n: int, what: str) -> None:
+    print(f"[{i}/{n}] {what}", flush=True)
+
+
+def _chain_tokens(args) -> tuple[int, ...]:
+    if args.tokens is None:
+        return chain.QUICK_TOKENS if args.quick else chain.TOKENS
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        raise SystemExit(f"--tokens must be comma-separated integers >= 1, got {args.tokens!r}")
+    return tokens
+
+
+def _chain_config(args, device: str):
+    """Kimi K3's real config on cuda, chain.cpu_config() on cpu; --hidden/--layers/--block override it (with
+    the MLA layers and taps of the new depth)."""
+    from attnres.models.kimi_k3 import KimiK3Config, kimi_k3_full_attention_layers
+
+    base = KimiK3Config.real() if device == "cuda" else chain.cpu_config()
+    if args.hidden is None and args.layers is None and args.block is None:
+        return base
+    layers = args.layers or base.num_layers
+    return base.with_(hidden_size=args.hidden or base.hidden_size, num_layers=layers,
+                      snapshot_block=args.block or base.snapshot_block,
+                      full_attention_layers=kimi_k3_full_attention_layers(layers),
+                      capture_layers=tuple(c for c in base.capture_layers if c < layers - 1),
+                      standin_rank=min(base.standin_rank, args.hidden or base.hidden_size))
+
+
+def _chain_cpu(args) -> int:
+    out = args.out or "bench_results.json"
+    meta = results.metadata(args.commit, device="cpu")
+    records = chain.run(tokens=_chain_tokens(args), device="cpu", config=_chain_config(args, "cpu"),
+                        pdl=not args.no_pdl, repeats=args.repeats, progress=_print_progress)
+    results.save(out, meta, records)
+    print(f"\nCPU (no graphs; wall clock) commit {meta['commit']}: {len(records)} records -> {out}")
+    for line in chain.summary(records):
+        print(line)
+    return 0 if _chains_agree(records) else 1
+
+
+def _guard(args) -> int:
+    if not args.baseline:
+        print("guard: --baseline FILE is required (e.g. bench_results/h200_4aed4f9.json)", file=sys.stderr)
+        return 2
+    try:
+        base_meta, base_records = guard.load(args.baseline)
+        if args.against:
+            new_meta, new_records = guard.load(args.against)
+        else:
+            if not torch.cuda.is_available():
+                print("guard: measuring needs a CUDA GPU (or --against FILE)", file=sys.stderr)
+                return 2
+            new_meta = results.metadata(args.commit)
+            new_records = guard.measure(repeats=args.repeats, options=attnres.Options(pdl=not args.no_pdl),
+                                        progress=_print_progress)
+            if args.out:
+                results.save(args.out, new_meta, new_records, {"guard_baseline": args.baseline})
+    except (OSError, ValueError) as e:
+        print(f"guard: {e}", file=sys.stderr)
+        return 2
+    report = guard.compare(base_records, new_records, base_meta=base_meta, new_meta=new_meta)
+    for line in guard.format_report(report):
+        print(line)
+    return report.exit_code()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Plots of a results file (matplotlib, PNG): µs vs N at T = 1 per provider, µs vs T at N = 9, the cluster
-sweep at H = 7168, and the MoE finalize A/B. Runs anywhere (no GPU): it only reads the JSON."""
+sweep at H = 7168, the MoE finalize A/B, and the decode chain's step time with the fold on/off vs T. Runs
+anywhere (no GPU): it only reads the JSON."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def _plot(ax, series, xlabel, title, floor=None):
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
+
+
+def chain_series(records) -> tuple[dict, dict, dict | None]:
+    """The chain suite's points: ({provider: [(T, median, p10, p90)]} in ms, {T: saving per MoE layer in µs}, a
+    record describing the run (None without chain records). Graph-replayed records when there are any, else
+    the CPU ones (wall clock)."""
+    chain = [r for r in records if r.get("suite") == "chain"]
+    if any(r.get("graph") for r in chain):
+        chain = [r for r in chain if r.get("graph")]
+    series, saving = defaultdict(list), {}
+    for r in chain:
+        series[r["provider"]].append((r["T"], r["median_us"] / 1e3, r["p10_us"] / 1e3, r["p90_us"] / 1e3))
+        saving[r["T"]] = r["saving_per_moe_layer_us"]
+    return {p: sorted(v) for p, v in series.items()}, dict(sorted(saving.items())), (chain[0] if chain else None)
 
 
 def make_plots(results_path: str, out_dir: str) -> list[str]:
@@ -78,4 +93,30 @@ def make_plots(results_path: str, out_dir: str) -> list[str]:
         _plot(ax, {k: sorted(v) for k, v in fin.items()}, "T (tokens)", f"MoE finalize, k = 16, D = 3584 — {tag}")
         ax.set_xscale("log", base=2)
         save(fig, "moe_finalize.png")
+
+    series, saving, first = chain_series(records)
+    if first:
+        how = ("CUDA-graph replay, one graph per step" if first.get("graph")
+               else "CPU eager, wall clock: not a measurement")
+        where = f"{meta.get('gpu') or 'CPU'}, commit {meta['commit']}"
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+        _plot(left, series, "T (tokens)", f"decode chain, {first['layers']} layers, H = {first['H']}, sites + MoE-tail "
+                                         f"adds only\n{how} — {where}")
+        left.set_ylabel("ms per decode step")
+        left.set_yscale("linear")
+        ts = list(saving)
+        right.plot(ts, [saving[t] for t in ts], marker="o", ms=3, label="(fold off − fold on) / MoE layers")
+        if first["layers"] == 93:
+            right.axhline(200.0 / first["moe_layers"], color="gray", ls=":",
+                          label=f"P6: 0.2 ms per step = {200.0 / first['moe_layers']:.2f} µs per MoE layer")
+        right.set_ylim(bottom=min(0.0, 1.1 * min(saving.values())))
+        right.set_xlabel("T (tokens)")
+        right.set_ylabel("µs saved per MoE layer")
+        right.set_title("the fold's saving per MoE layer", fontsize=9)
+        right.grid(True, which="both", alpha=0.3)
+        right.legend(fontsize=7)
+        for ax in (left, right):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ts, [str(t) for t in ts])
+        save(fig, "chain_fold.png")
     return written
