@@ -57,7 +57,9 @@ def attn_res(layer_residual: Tensor, block_residual: Tensor, res_weight: Tensor,
     q = rms_weight.detach().cpu().reshape(H).double() * res_weight.detach().cpu().reshape(H).double()
     rsigma = torch.rsqrt((V * V).mean(-1) + rms_eps)  # [N, T]
     logits = rsigma * (V @ q)
-    probs = torch.softmax(logits, dim=0)
+    # With N = 1 the mixture is P itself (ops.md step 6), also when the logit is not finite (rms_eps = 0 and a
+    # zero row: rsigma = inf, logit = inf * 0 = NaN).
+    probs = torch.softmax(logits, dim=0) if V.shape[0] > 1 else torch.ones_like(logits)
     mixture = (probs.unsqueeze(-1) * V).sum(0).to(torch.bfloat16)
     output = mixture if norm_weight is None else two_rounding_rmsnorm(mixture, norm_weight.detach().cpu(), norm_eps)
     return Result(updated=None if layer_residual_add is None else P, mixture=mixture, output=output, rsigma=rsigma,

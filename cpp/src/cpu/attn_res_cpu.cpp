@@ -134,6 +134,9 @@ void cpu_attn_res(AttnResOp op, const AttnResArgs& a) {
       denom += prob[n];
     }
     for (int64_t n = 0; n < N; ++n) prob[n] /= denom;
+    // ops.md step 6: with N = 1 the mixture is P itself, also when its logit is not finite (rms_eps = 0 and a
+    // zero or subnormal-squares row give rsigma = inf, logit = inf * 0 = NaN, and softmax would be NaN).
+    if (N == 1) prob[0] = 1.0f;
 
     // Step 6: the mixture, rounded to bf16 once.
     for (int64_t h = 0; h < H; ++h) {

@@ -206,12 +206,17 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   float denom = 0.0f;
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) {
-    prob[n] = __expf(logit[n] - max_logit);
+    // Past N the probability is 0 by selection, not by exp(-inf - max): with no finite logit max stays -inf
+    // (fmaxf drops NaN) and exp(-inf + inf) would be NaN.
+    prob[n] = n < N ? __expf(logit[n] - max_logit) : 0.0f;
     denom += prob[n];
   }
   const float inv_denom = 1.0f / denom;
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) prob[n] *= inv_denom;
+  // With N = 1 the mixture is P itself (ops.md step 6), also when its logit is not finite (rms_eps = 0 and a
+  // zero row: rsigma = inf, logit = inf * 0 = NaN).
+  prob[0] = N == 1 ? 1.0f : prob[0];
 
   if constexpr (MODE == Mode::mix) {
     // fp32 diagnostics, written by the cluster's first block: the values the mixture used.
