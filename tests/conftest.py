@@ -38,3 +38,14 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[requires_cuda, pytest.mark.gpu])]
 @pytest.fixture(params=DEVICES)
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def one_intra_op_thread():
+    """For modules of tiny ops (the decode chain): intra-op threads only add spin-waits, ruinously so on a
+    loaded 2-core CI machine running two pytest workers. Use with
+    `pytestmark = pytest.mark.usefixtures("one_intra_op_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -22,13 +22,7 @@ TINY_TOKENS = (1, 3)
 BASELINE = str(Path(__file__).resolve().parent.parent / "bench_results" / "h200_4aed4f9.json")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """The chain's ops are tiny: intra-op threads only add spin-waits on a loaded 2-core CI machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,7 @@ BLOCK12 = KimiK3Config.small(hidden_size=256, num_layers=37, snapshot_block=12, 
 _MODELS: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """The chain's ops are tiny: intra-op threads only add spin-waits (ruinously so on a loaded 2-core CI
-    machine running two pytest workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def model_for(config: KimiK3Config, device: str) -> KimiK3Model:

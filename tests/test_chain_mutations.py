@@ -17,14 +17,7 @@ CFG = KimiK3Config.small(hidden_size=256, num_layers=26, snapshot_block=4)
 _MODELS: dict = {}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """The chain's ops are tiny: intra-op threads only add spin-waits (ruinously so on a loaded 2-core CI
-    machine running two pytest workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 def _model(device: str) -> KimiK3Model:

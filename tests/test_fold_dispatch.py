@@ -53,14 +53,7 @@ def eager_sequence(tail: PendingTail, bank: SnapshotBank, k: int, w: SiteWeights
 FOLD = ResidualSettings(fold=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_intra_op_thread():
-    """The chain's ops are tiny: intra-op threads only add spin-waits (ruinously so on a loaded 2-core CI
-    machine running two pytest workers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 
 # ------------------------------------------------------------------------------------------------ the window

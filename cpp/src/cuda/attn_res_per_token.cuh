@@ -32,27 +32,17 @@ constexpr int kMaxClusterRanks = 8;  // the portable cluster limit (plan_tuning.
 constexpr int kSingleCtaMaxThreads = 1024;
 constexpr int kSplitKMaxThreads = 256;
 
-// sum_{w < warps} base[w * stride] in warp order; the loads are issued together (unrolled, clamped index,
-// masked add: adding +0 to a sum that started at +0 changes no bits).
-template <int MAX_WARPS>
-__device__ __forceinline__ float sum_over_warps(const float* base, int stride, int warps) {
-  float v[MAX_WARPS];
+// sum_{i < count} base[i * stride] in index order (warps of a block, or ranks of a cluster); the loads are
+// issued together (unrolled to MAX, clamped index, masked add: adding +0 to a sum that started at +0 changes
+// no bits).
+template <int MAX>
+__device__ __forceinline__ float ordered_sum(const float* base, int stride, int count) {
+  float v[MAX];
 #pragma unroll
-  for (int w = 0; w < MAX_WARPS; ++w) v[w] = base[(w < warps ? w : 0) * stride];
+  for (int i = 0; i < MAX; ++i) v[i] = base[(i < count ? i : 0) * stride];
   float s = 0.0f;
 #pragma unroll
-  for (int w = 0; w < MAX_WARPS; ++w) s += w < warps ? v[w] : 0.0f;
-  return s;
-}
-
-// Sum in rank order of what every block of the cluster pushed into recv[rank * stride] (same masking).
-__device__ __forceinline__ float sum_over_ranks(const float* recv, int stride, int ranks) {
-  float v[kMaxClusterRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxClusterRanks; ++r) v[r] = recv[(r < ranks ? r : 0) * stride];
-  float s = 0.0f;
-#pragma unroll
-  for (int r = 0; r < kMaxClusterRanks; ++r) s += r < ranks ? v[r] : 0.0f;
+  for (int i = 0; i < MAX; ++i) s += i < count ? v[i] : 0.0f;
   return s;
 }
 
@@ -182,12 +172,12 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     cluster_wait();  // every peer's mbarriers are initialised
     if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
     if (tid < 2 * N)
-      push_to_ranks(&recv_part[rank][tid], &bars[0], sum_over_warps<kMaxWarps>(&warp_part[0][tid], kValues, warps),
+      push_to_ranks(&recv_part[rank][tid], &bars[0], ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps),
                     ranks);
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
-    if (tid < 2 * N) totals[tid] = sum_over_ranks(&recv_part[0][tid], kValues, ranks);
+    if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
   } else {
-    if (tid < 2 * N) totals[tid] = sum_over_warps<kMaxWarps>(&warp_part[0][tid], kValues, warps);
+    if (tid < 2 * N) totals[tid] = ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
 
@@ -265,12 +255,12 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     if constexpr (CLUSTER) {
       if (tid == 0) {
         mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
-        push_to_ranks(&recv_sq[rank], &bars[1], sum_over_warps<kMaxWarps>(warp_sq, 1, warps), ranks);
+        push_to_ranks(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), ranks);
       }
       mbarrier_wait_parity(shared_address(&bars[1]), 0);
-      total = sum_over_ranks(recv_sq, 1, ranks);
+      total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
     } else {
-      if (tid == 0) block_sq = sum_over_warps<kMaxWarps>(warp_sq, 1, warps);
+      if (tid == 0) block_sq = ordered_sum<kMaxWarps>(warp_sq, 1, warps);
       __syncthreads();
       total = block_sq;
     }
