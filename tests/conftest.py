@@ -6,6 +6,8 @@ capability >= 9.0 is visible; otherwise they skip cleanly with the reason.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -24,6 +26,16 @@ def _cuda_skip_reason() -> str | None:
     return None
 
 
+def _share_cores_between_workers() -> None:
+    """Under pytest-xdist every worker would otherwise start one intra-op thread per core: 8 workers on a
+    16-core machine then run 128 spinning threads, and the float64 oracle of the property tests slowed by
+    orders of magnitude on the H200 machine (workers killed at the test timeout). Give each worker its share."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or "1")
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+_share_cores_between_workers()
 CUDA_SKIP_REASON = _cuda_skip_reason()
 HAS_CUDA = CUDA_SKIP_REASON is None
 

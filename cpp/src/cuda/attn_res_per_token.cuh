@@ -202,8 +202,10 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     denom += prob[n];
   }
   const float inv_denom = 1.0f / denom;
+  // The selection again after the normalisation: a NaN denominator (N = 1 with a NaN logit) must not turn the
+  // bucket's zero padding probabilities into 0 * NaN = NaN, which the mixture would then pick up.
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n) prob[n] *= inv_denom;
+  for (int n = 0; n < NMAX; ++n) prob[n] = n < N ? prob[n] * inv_denom : 0.0f;
   // With N = 1 the mixture is P itself (ops.md step 6), also when its logit is not finite (rms_eps = 0 and a
   // zero row: rsigma = inf, logit = inf * 0 = NaN).
   prob[0] = N == 1 ? 1.0f : prob[0];
