@@ -43,9 +43,13 @@ if [[ $mode == test || $mode == full ]]; then
     tail -30 "$OUT/ctest.log"; echo "CTEST BUILD FAILED"; status=1
   fi
   step "pytest (GPU cases run)"
-  python3 -m pytest -q --maxfail=40 -p no:cacheprovider -n 8 --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
+  # -v so the log names every test as it finishes (a crashed or killed worker is then attributable);
+  # pytest-timeout's thread method kills a stuck worker and prints every thread's stack (the signal method
+  # cannot interrupt a test blocked inside a CUDA call); the whole step is bounded so later steps still run.
+  timeout "${PYTEST_WALL:-420}" python3 -m pytest -v -rfE --maxfail=40 -p no:cacheprovider -n "${PYTEST_WORKERS:-8}" \
+    --timeout "${PYTEST_TIMEOUT:-180}" --timeout-method thread --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
-  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest.log" | tail -45
+  grep -E "^(FAILED|ERROR)|crashed|Timeout|passed|failed" "$OUT/pytest.log" | tail -45
   if [[ ${QUICK_BENCH:-1} == 1 ]]; then
     step "quick decode benchmark"
     python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -6
