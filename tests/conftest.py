@@ -40,7 +40,17 @@ CUDA_SKIP_REASON = _cuda_skip_reason()
 HAS_CUDA = CUDA_SKIP_REASON is None
 
 # Use as a decorator on tests that need the GPU.
-requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=CUDA_SKIP_REASON or "")
+_GPU_REASON = "needs a CUDA device of compute capability >= 9.0"
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason=f"{_GPU_REASON}: {CUDA_SKIP_REASON}")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that requires the GPU carries the `gpu` marker, however it asked for it (decorator, module
+    pytestmark, or the cuda device parameter): `pytest -m gpu` then selects exactly the GPU cases (what
+    tools/gpu_check.sh runs on the H200; the CPU cases are CI's)."""
+    for item in items:
+        if any(str(m.kwargs.get("reason", "")).startswith(_GPU_REASON) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
 
 # Parametrize a test over every device: params=DEVICES gives "cpu" always and "cuda" (skipping) always, so
 # the GPU cases show up as skipped rather than vanishing on machines without a GPU.

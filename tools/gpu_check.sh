@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|bench|full|profile]     results and logs under $OUT (default ./gpu_out)
-# smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run);
+#   tools/gpu_check.sh [smoke|test|chain|bench|full|profile][,more]   results and logs under $OUT (default ./gpu_out)
+# smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run); chain: the
+# decode-chain benchmark and the regression guard;
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
 # .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
 set -uo pipefail
 mode=${1:-full}
+# Modes combine with commas (e.g. `test,chain`): one build serves them all.
+has() { local m; for m in "$@"; do [[ ,$mode, == *,$m,* ]] && return 0; done; return 1; }
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 ATTNRES_COMMIT=${ATTNRES_COMMIT:-unknown} CMAKE_BUILD_PARALLEL_LEVEL=16
@@ -24,7 +27,7 @@ if ! python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log
 fi
 python3 -c "import attnres; print(attnres.backend_info())"
 
-if [[ $mode == smoke || $mode == full || $mode == bench ]]; then
+if has smoke full bench; then
   step "SASS of the kernels (for reading load batching and barriers)"
   so=$(python3 -c "import attnres._C as c; print(c.__file__)")
   cuobjdump -sass "$so" >"$OUT/sass.txt" 2>&1 || true
@@ -32,7 +35,7 @@ if [[ $mode == smoke || $mode == full || $mode == bench ]]; then
   python3 tools/gpu_smoke.py 2>&1 | tee "$OUT/smoke.log" || status=1
 fi
 
-if [[ $mode == test || $mode == full ]]; then
+if has test full && [[ ${CTEST:-1} == 1 ]]; then
   step "ctest (GPU suites run)"
   gt=$PWD/.gpu_carry/gtest/lib/x86_64-linux-gnu/cmake/GTest
   if cmake -S . -B build/ctest -G Ninja -DATTNRES_BUILD_TESTS=ON -DATTNRES_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
@@ -42,12 +45,15 @@ if [[ $mode == test || $mode == full ]]; then
   else
     tail -30 "$OUT/ctest.log"; echo "CTEST BUILD FAILED"; status=1
   fi
+fi
+if has test full; then
   step "pytest (GPU cases run)"
+  # Only the GPU cases by default (PYTEST_MARK=gpu; CI runs the CPU ones): PYTEST_MARK="" runs everything.
   # -v so the log names every test as it finishes (a crashed or killed worker is then attributable);
   # pytest-timeout's thread method kills a stuck worker and prints every thread's stack (the signal method
   # cannot interrupt a test blocked inside a CUDA call); the whole step is bounded so later steps still run.
   timeout "${PYTEST_WALL:-420}" python3 -m pytest -v -rfE --maxfail=40 -p no:cacheprovider -n "${PYTEST_WORKERS:-8}" \
-    --timeout "${PYTEST_TIMEOUT:-180}" --timeout-method thread --junitxml="$OUT/pytest.xml" tests ${PYTEST_ARGS:-} \
+    --timeout "${PYTEST_TIMEOUT:-180}" --timeout-method thread --junitxml="$OUT/pytest.xml" -m "${PYTEST_MARK:-gpu}" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|crashed|Timeout|passed|failed" "$OUT/pytest.log" | tail -45
   if [[ ${QUICK_BENCH:-1} == 1 ]]; then
@@ -56,7 +62,7 @@ if [[ $mode == test || $mode == full ]]; then
   fi
 fi
 
-if [[ $mode == profile ]]; then
+if has profile; then
   step "ncu: kernel durations (cold L2 per launch) and source-level stall sampling"
   ncu --clock-control none --cache-control all -k regex:attn_res_per_token --metrics gpu__time_duration.sum \
     --csv python3 tools/profile_kernel.py sweep >"$OUT/ncu_durations.csv" 2>&1 || status=1
@@ -77,13 +83,19 @@ PY
   grep -E "Duration|Stall|Warp Cycles|Issued|Eligible" "$OUT/ncu_details_n9.txt" | head -20
 fi
 
-if [[ $mode == smoke ]]; then
+if has smoke; then
   step "quick benchmarks"
   python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" 2>&1 | tail -12
   python3 -m attnres.bench tune --quick --out "$OUT/tune_quick.json" 2>&1 | tail -8
   python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -8
 fi
-if [[ $mode == bench || $mode == full ]]; then
+if has chain; then
+  step "decode-chain benchmark (P6) and the regression guard"
+  timeout "${CHAIN_WALL:-240}" python3 -m attnres.bench chain --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
+  timeout 120 python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" 2>&1 \
+    | tail -14
+fi
+if has bench full; then
   step "benchmarks"
   python3 -m attnres.bench all --out "$OUT/bench.json" 2>&1 | tail -12 || status=1
 fi
