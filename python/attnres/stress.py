@@ -614,7 +614,8 @@ def _graph_round(call: Call, stats: CallStats) -> tuple[dict[str, Tensor], dict[
 
 def run_calls(count: int, *, device: str = "cuda", streams: int = 4, seed: int = 0, start: int = 0,
               graph_every: int = 100, batch: int = 64, workers: int | None = None, max_tokens: int = 256,
-              oracle_every: int | None = None, quiet: bool = False) -> dict:
+              oracle_every: int | None = None, max_seconds: float | None = None, quiet: bool = False) -> dict:
+    """`count` calls from index `start` (fewer when max_seconds runs out first: "stopped_early")."""
     if device not in ("cpu", "cuda"):
         raise ValueError(f"calls: device must be cpu or cuda, got {device!r}")
     cuda = device == "cuda"
@@ -633,6 +634,7 @@ def run_calls(count: int, *, device: str = "cuda", streams: int = 4, seed: int =
     futures: list[tuple[Spec, Future]] = []
     pending: list[tuple[Call, dict, dict]] = []
     t0 = time.perf_counter()
+    stopped_early = False
 
     def collect(block: bool) -> None:
         keep = []
@@ -674,6 +676,9 @@ def run_calls(count: int, *, device: str = "cuda", streams: int = 4, seed: int =
 
     try:
         for i in range(start, start + count):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                stopped_early = True
+                break
             s = draw_spec(seed, i, device, max_tokens)
             stats.count(s)
             graph = cuda and graph_every > 0 and (i - start) % graph_every == graph_every - 1
@@ -714,6 +719,7 @@ def run_calls(count: int, *, device: str = "cuda", streams: int = 4, seed: int =
         "input_mutation_failures": stats.input_mutations, "errors": stats.errors,
         "oracle_checks": stats.oracle_checks, "oracle_mismatches": stats.oracle_mismatches,
         "wall_s": round(wall, 2), "calls_per_s": round(stats.calls / max(wall, 1e-9), 1), "workers": workers,
+        "stopped_early": stopped_early,
         "failures": stats.failures,
         "ok": stats.mismatches + stats.input_mutations + stats.graph_mismatches + stats.errors
         + stats.oracle_mismatches == 0 and stats.checked == stats.calls - stats.errors,
@@ -808,7 +814,8 @@ def chain_config(device: str, layers: int | None, hidden: int | None, block: int
 
 def run_chain(steps: int, *, device: str = "cuda", tokens: int = 1, layers: int | None = None,
               hidden: int | None = None, block: int | None = None, check_every: int = 100, eager: bool = False,
-              seed: int = 0, quiet: bool = False) -> dict:
+              seed: int = 0, max_seconds: float | None = None, quiet: bool = False) -> dict:
+    """`steps` dependent steps of both chains (fewer when max_seconds runs out first: "stopped_early")."""
     from attnres.models.kimi_k3 import KimiK3Model, ResidualSettings
     from attnres.models.kimi_k3.residual import FUSED_ADD2, PathRecord
     if device not in ("cpu", "cuda"):
@@ -852,10 +859,16 @@ def run_chain(steps: int, *, device: str = "cuda", tokens: int = 1, layers: int 
 
     graph_vs_eager: list[str] = []
     if graphs:
+        # The eager step the graph must reproduce, run on a side stream: it is also the capture's warm-up
+        # (plan cache, cuBLAS workspaces and lazy initialisation stay out of the graph).
         eager_state = {}
-        for fold, r in runs.items():  # the eager step the graph must reproduce (also the capture warm-up)
-            r.step()
-            eager_state[fold] = _snapshot_state(r)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for fold, r in runs.items():
+                r.step()
+                eager_state[fold] = _snapshot_state(r)
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         compiled = {}
         for fold, r in runs.items():
@@ -872,8 +885,14 @@ def run_chain(steps: int, *, device: str = "cuda", tokens: int = 1, layers: int 
         torch.cuda.synchronize()
     progress = _Progress(steps, "chain", quiet)
     t_steps = time.perf_counter()
+    stopped_early = False
+    last_step = 0
     try:
         for step in range(1, steps + 1):
+            if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
+                stopped_early = True
+                break
+            last_step = step
             for fold, r in runs.items():
                 if graphs:
                     compiled[fold].replay()
@@ -893,15 +912,17 @@ def run_chain(steps: int, *, device: str = "cuda", tokens: int = 1, layers: int 
             progress.update(1, f"diffs {len(diffs_total)}")
         if cuda:
             torch.cuda.synchronize()
+        if stopped_early and last_step and last_step not in checked_steps:
+            check(last_step)
     finally:
         progress.close()
         torch.set_num_threads(torch_threads)
     step_wall = time.perf_counter() - t_steps
-    d_on, d_off = runs[True].digests[:steps].cpu(), runs[False].digests[:steps].cpu()
+    d_on, d_off = runs[True].digests[:last_step].cpu(), runs[False].digests[:last_step].cpu()
     digest_diff = (d_on != d_off).nonzero().flatten().tolist()
     first_digest = digest_diff[0] + 1 if digest_diff else None
     steps_done = int(runs[True].step_index.item())
-    ok = not diffs_total and not digest_diff and not graph_vs_eager and steps_done == steps
+    ok = not diffs_total and not digest_diff and not graph_vs_eager and steps_done == last_step
     return {
         "mode": "chain", "device": device, "graph": graphs, "seed": seed, "tokens": tokens,
         "layers": cfg.num_layers, "hidden": cfg.hidden_size, "snapshot_block": cfg.snapshot_block,
@@ -911,7 +932,8 @@ def run_chain(steps: int, *, device: str = "cuda", tokens: int = 1, layers: int 
         "digest_mismatch_steps": len(digest_diff), "first_digest_mismatch_step": first_digest,
         "graph_vs_eager_diffs": graph_vs_eager[:10], "diffs": diffs_total[:20],
         "mismatches": len({d.split(":")[0] for d in diffs_total}) + len(digest_diff) + (1 if graph_vs_eager else 0),
-        "wall_s": round(time.perf_counter() - t0, 2), "steps_per_s": round(2 * steps / max(step_wall, 1e-9), 1),
+        "wall_s": round(time.perf_counter() - t0, 2), "stopped_early": stopped_early,
+        "steps_per_s": round(2 * last_step / max(step_wall, 1e-9), 1),  # both chains' steps
         "ok": ok,
     }
 
@@ -932,6 +954,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="also check every n-th call against the float64 oracle (-1: every call on cpu, none on cuda)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--start", type=int, default=0, help="first call index (to rerun one failing call: --count 1)")
+    c.add_argument("--max-seconds", type=float, default=None, help="stop issuing calls after this long")
     c.add_argument("--quiet", action="store_true")
     h = sub.add_parser("chain", help="the Kimi K3 decode chain, fold on vs off, bit for bit")
     h.add_argument("--steps", type=int, default=100)
@@ -943,6 +966,7 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--check-every", type=int, default=100)
     h.add_argument("--eager", action="store_true", help="no CUDA graphs")
     h.add_argument("--seed", type=int, default=0)
+    h.add_argument("--max-seconds", type=float, default=None, help="stop stepping after this long")
     h.add_argument("--quiet", action="store_true")
     return p
 
@@ -956,11 +980,12 @@ def main(argv: list[str] | None = None) -> int:
             summary = run_calls(args.count, device=args.device, streams=args.streams, seed=args.seed,
                                 start=args.start, graph_every=args.graph_every, batch=args.batch,
                                 workers=args.workers or None, max_tokens=args.max_tokens,
-                                oracle_every=None if args.oracle_every < 0 else args.oracle_every, quiet=args.quiet)
+                                oracle_every=None if args.oracle_every < 0 else args.oracle_every,
+                                max_seconds=args.max_seconds, quiet=args.quiet)
         else:
             summary = run_chain(args.steps, device=args.device, tokens=args.tokens, layers=args.layers,
                                 hidden=args.hidden, block=args.block, check_every=args.check_every,
-                                eager=args.eager, seed=args.seed, quiet=args.quiet)
+                                eager=args.eager, seed=args.seed, max_seconds=args.max_seconds, quiet=args.quiet)
     except (ValueError, RuntimeError) as err:
         print(f"attnres.stress: {err}", file=sys.stderr)
         return 2
