@@ -4,6 +4,7 @@
     python3 tools/precondition_table.py            the markdown table (docs/reliability.md section 1.4)
     python3 tools/precondition_table.py --check    exit 1 listing every message no test covers
     python3 tools/precondition_table.py --json     one record per message
+    python3 tools/precondition_table.py --write-docs   the table into docs/reliability.md (between its markers)
 
 Messages come from every place that raises one:
   * C++: `fail(arg, <message>)` and `throw ArgumentError(<message>)` in cpp/src/checks.hpp, validate.cpp,
@@ -553,6 +554,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 when a message has no covering test")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--write-docs", action="store_true", help="replace the table in docs/reliability.md")
     args = p.parse_args(argv)
     messages = collect()
     uncovered = [m for m in messages if not m.tests and not m.unreachable]
@@ -567,11 +569,18 @@ def main(argv=None) -> int:
             print(f"no test: {m.family} {m.source}: {m.text()!r}")
         for key in stale:
             print(f"stale UNREACHABLE entry (no such message, or it has a test now): {key}")
-        covered = sum(1 for m in messages if m.tests)
+        unreachable = sum(1 for m in messages if m.unreachable)
         wording = sum(1 for m in messages if m.by_wording and not m.unreachable)
-        print(f"{len(messages)} messages: {covered - wording} covered by a test naming the argument, {wording} by "
-              f"the wording only, {sum(1 for m in messages if m.unreachable)} unreachable, {len(uncovered)} without "
-              "a test")
+        named = sum(1 for m in messages if m.tests and not m.by_wording and not m.unreachable)
+        print(f"{len(messages)} messages: {named} covered by a test naming the argument, {wording} by the wording "
+              f"only, {unreachable} unreachable, {len(uncovered)} without a test")
+    elif args.write_docs:
+        doc = ROOT / "docs" / "reliability.md"
+        text = doc.read_text()
+        begin, end = "<!-- precondition-table:begin -->\n", "<!-- precondition-table:end -->"
+        i, j = text.index(begin) + len(begin), text.index(end)
+        doc.write_text(text[:i] + markdown(messages) + "\n" + text[j:])
+        print(f"{doc}: {len(messages)} messages")
     else:
         print(markdown(messages))
     return 1 if (args.check and (uncovered or stale)) else 0
