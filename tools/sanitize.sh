@@ -18,11 +18,12 @@
 # an earlier tensor wrote as initialized. So the non-graph subsets run with PYTORCH_NO_CUDA_MEMORY_CACHING=1
 # (every tensor its own cudaMalloc, fresh and uninitialized). CUDA graph capture needs the caching allocator
 # (the uncached one breaks capture), so the graph/PDL tests run in a second process with caching on.
-# initcheck runs with --track-unused-memory no (unused allocations are not errors here) and instruments every
-# kernel (PyTorch's too: a torch kernel reading an output element our kernel never wrote is a real finding,
-# and writes by uninstrumented kernels would look uninitialized); racecheck, synccheck and memcheck
-# instrument only the library's kernels (attn_res_per_token*, moe_finalize*) when this compute-sanitizer
-# has a regex kernel filter. The summary breaks every tool's findings down by kernel name.
+# memcheck and initcheck instrument every kernel (PyTorch's too: a torch kernel reading an output element our
+# kernel never wrote is a finding of ours, and writes by uninstrumented kernels would look uninitialized to
+# initcheck); initcheck runs with --track-unused-memory no. racecheck and synccheck instrument only the
+# library's kernels (attn_res_per_token*, moe_finalize*) when this compute-sanitizer has a regex kernel filter
+# (PyTorch's kernels are slow under racecheck and not ours to judge). The summary breaks every tool's findings
+# down by kernel name.
 #
 # Environment (all optional):
 #   OUT                          output folder (default ./gpu_out)
@@ -73,20 +74,18 @@ has_opt "--require-cuda-init" && COMMON+=(--require-cuda-init no)
 if [[ -n ${SANITIZE_KERNEL_FILTER:-} ]]; then
   KFILTER=$SANITIZE_KERNEL_FILTER
 elif has_opt "kernel_regex"; then
-  KFILTER="kernel_regex=attn_res_per_token|moe_finalize"
+  KFILTER="kernel_regex=.*(attn_res_per_token|moe_finalize).*"  # matches as a search or as a full match
 else
   KFILTER=none
 fi
-kernel_opts() {  # $1 tool
-  [[ $1 == initcheck || $KFILTER == none ]] || echo "--kernel-name $KFILTER"
-}
-tool_opts() {  # $1 tool
+tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the library's kernels)
+  TOOL_OPTS=()
   case $1 in
-    memcheck) echo "--leak-check full $(has_opt --padding && echo --padding 32)" ;;
-    initcheck) has_opt "--track-unused-memory" && echo "--track-unused-memory no" ;;
-    racecheck) ;;
-    synccheck) ;;
+    memcheck) TOOL_OPTS=(--leak-check full); has_opt "--padding" && TOOL_OPTS+=(--padding 32) ;;
+    initcheck) has_opt "--track-unused-memory" && TOOL_OPTS=(--track-unused-memory no) ;;
+    racecheck | synccheck) [[ $KFILTER != none ]] && TOOL_OPTS=(--kernel-name "$KFILTER") ;;
   esac
+  return 0
 }
 
 # ---------------------------------------------------------------------------------------- the subsets
@@ -166,9 +165,9 @@ run_step() {  # $1 tool, $2 step name, rest: the command (run under the sanitize
   local limit=$(( STEP_TIMEOUT < left ? STEP_TIMEOUT : left ))
   local t0=$(date +%s)
   echo "== $tool / $name (limit ${limit}s)"
-  # shellcheck disable=SC2046
-  timeout --signal=INT --kill-after=15 "$limit" "$CS" --tool "$tool" "${COMMON[@]}" $(kernel_opts "$tool") \
-    $(tool_opts "$tool") "$@" >"$log" 2>&1
+  tool_opts "$tool"
+  timeout --signal=INT --kill-after=15 "$limit" "$CS" --tool "$tool" "${COMMON[@]}" "${TOOL_OPTS[@]}" "$@" \
+    >"$log" 2>&1
   local rc=$?
   local dt=$(( $(date +%s) - t0 ))
   local parsed errors kernels tests status
@@ -178,6 +177,8 @@ run_step() {  # $1 tool, $2 step name, rest: the command (run under the sanitize
     status="TIMEOUT after ${dt}s"; incomplete=1
   elif (( rc == 99 || errors > 0 )); then
     status="FINDINGS"; findings=1
+  elif (( rc == 5 )) && [[ $* == *pytest* ]]; then
+    status="no test selected"; incomplete=1
   elif (( rc != 0 )); then
     status="FAILED (rc $rc)"; failures=1
   else
@@ -240,7 +241,7 @@ done
 {
   echo "tools/sanitize.sh at $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
   echo "compute-sanitizer: $("$CS" --version 2>&1 | tail -1)"
-  echo "options: ${COMMON[*]}; kernel filter (memcheck, racecheck, synccheck): $KFILTER; initcheck: every kernel"
+  echo "options: ${COMMON[*]}; kernel filter (racecheck, synccheck): $KFILTER; memcheck, initcheck: every kernel"
   echo "sizes: $(for t in $TOOLS; do printf '%s %s; ' "$t" "$(size_of "$t")"; done)stress calls under memcheck: $STRESS_CALLS; wall $(( $(date +%s) - START ))s"
   echo
   printf '%-10s %-24s %-28s %-7s %-6s %s\n' tool step status errors time "tests / kernels named in reports"
