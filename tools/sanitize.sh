@@ -1,0 +1,266 @@
+#!/usr/bin/env bash
+# compute-sanitizer over the GPU tests (docs/reliability.md section 4), on the H200, from the repository root,
+# after tools/gpu_check.sh has installed the CUDA build (and, for the C++ part, built build/ctest):
+#
+#   tools/sanitize.sh                      summary: $OUT/sanitize_summary.txt, logs: $OUT/sanitize/*.log
+#
+# For each tool (memcheck, racecheck, initcheck, synccheck) it runs
+#   (a) the GPU GoogleTest suites: build/ctest/cpp/tests/test_cuda_backend (its Gpu* suites) and
+#       test_moe_finalize (MoeFinalizeGpu.*);
+#   (b) a focused pytest subset of the CUDA cases: the kernels against the oracle (decode, odd H, T > 32,
+#       H = 16384, N = 1, every kernel), the bitwise properties, MoE finalize, the decode chain with the fold
+#       (small config), and — in a process of its own, see below — CUDA graphs and PDL chaining;
+#   (c) memcheck only: a short random-shape stress run (python -m attnres.stress calls, no graphs).
+# each as `compute-sanitizer --tool X --target-processes all --error-exitcode 99 ...`.
+#
+# Allocations. PyTorch's caching allocator hands out sub-blocks of large cudaMalloc segments: memcheck cannot
+# see an access that overruns a tensor into its neighbour in the same segment, and initcheck sees memory that
+# an earlier tensor wrote as initialized. So the non-graph subsets run with PYTORCH_NO_CUDA_MEMORY_CACHING=1
+# (every tensor its own cudaMalloc, fresh and uninitialized). CUDA graph capture needs the caching allocator
+# (the uncached one breaks capture), so the graph/PDL tests run in a second process with caching on.
+# memcheck and initcheck instrument every kernel (PyTorch's too: a torch kernel reading an output element our
+# kernel never wrote is a finding of ours, and writes by uninstrumented kernels would look uninitialized to
+# initcheck); initcheck runs with --track-unused-memory no. racecheck and synccheck instrument only the
+# library's kernels (attn_res_per_token*, moe_finalize*) when this compute-sanitizer has a regex kernel filter
+# (PyTorch's kernels are slow under racecheck and not ours to judge). The summary breaks every tool's findings
+# down by kernel name.
+#
+# Environment (all optional):
+#   OUT                          output folder (default ./gpu_out)
+#   SANITIZE_TOOLS               default "memcheck racecheck initcheck synccheck"
+#   SANITIZE_SIZE_<TOOL>         small | medium | large: how many pytest cases the tool runs (defaults: memcheck
+#                                medium; racecheck, synccheck, initcheck small); SANITIZE_SIZE sets all four
+#   SANITIZE_STRESS_CALLS        random calls of (c) (default 300; 0 skips)
+#   SANITIZE_STEP_TIMEOUT        seconds per sanitizer process (default 150)
+#   SANITIZE_BUDGET_S            overall seconds; steps that would start later are reported as not run (default 470)
+#   SANITIZE_K_MAIN, SANITIZE_K_GRAPH   override the pytest -k expressions of (b)
+#   SANITIZE_GTEST_FILTER, SANITIZE_GTEST_FILTER_RACECHECK, SANITIZE_GTEST_FILTER_MOE   override (a)'s filters
+#   SANITIZE_KERNEL_FILTER       compute-sanitizer --kernel-name value ("none": instrument every kernel)
+#   SANITIZE_CTEST_DIR           default build/ctest
+#   COMPUTE_SANITIZER            the executable (default: compute-sanitizer on PATH, else /usr/local/cuda/bin)
+# Exit: 0 clean; 1 a finding (an error reported by a tool) or a failing test; 3 clean so far but some step did
+# not run or did not finish (budget, timeout, missing binary).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-$PWD/gpu_out}
+LOGS=$OUT/sanitize
+mkdir -p "$LOGS"
+SUMMARY=$OUT/sanitize_summary.txt
+TOOLS=${SANITIZE_TOOLS:-memcheck racecheck synccheck initcheck}
+size_of() {  # $1 tool
+  local var=SANITIZE_SIZE_${1^^} def=small
+  [[ $1 == memcheck ]] && def=medium
+  echo "${!var:-${SANITIZE_SIZE:-$def}}"
+}
+STRESS_CALLS=${SANITIZE_STRESS_CALLS:-300}
+STEP_TIMEOUT=${SANITIZE_STEP_TIMEOUT:-150}
+BUDGET=${SANITIZE_BUDGET_S:-470}
+CTEST_DIR=${SANITIZE_CTEST_DIR:-build/ctest}
+START=$(date +%s)
+export PYTHONUNBUFFERED=1
+
+CS=${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}
+if [[ ! -x $CS ]]; then
+  echo "compute-sanitizer not found (set COMPUTE_SANITIZER)" | tee "$SUMMARY"
+  exit 3
+fi
+HELP=$("$CS" --help 2>&1 || true)
+has_opt() { grep -q -- "$1" <<<"$HELP"; }
+
+# Options this compute-sanitizer knows (checked against its --help, so an older one degrades, not fails).
+COMMON=(--target-processes all --error-exitcode 99)
+has_opt "--print-limit" && COMMON+=(--print-limit 200)
+has_opt "--require-cuda-init" && COMMON+=(--require-cuda-init no)
+if [[ -n ${SANITIZE_KERNEL_FILTER:-} ]]; then
+  KFILTER=$SANITIZE_KERNEL_FILTER
+elif has_opt "kernel_regex"; then
+  KFILTER="kernel_regex=.*(attn_res_per_token|moe_finalize).*"  # matches as a search or as a full match
+else
+  KFILTER=none
+fi
+tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the library's kernels)
+  TOOL_OPTS=()
+  case $1 in
+    memcheck) TOOL_OPTS=(--leak-check full); has_opt "--padding" && TOOL_OPTS+=(--padding 32) ;;
+    initcheck) has_opt "--track-unused-memory" && TOOL_OPTS=(--track-unused-memory no) ;;
+    racecheck | synccheck) [[ $KFILTER != none ]] && TOOL_OPTS=(--kernel-name "$KFILTER") ;;
+  esac
+  return 0
+}
+
+# ---------------------------------------------------------------------------------------- the subsets
+# pytest -k expressions over node names and parameter ids (module names are keywords too).
+k_main() {  # $1 size
+  local oracle moe chain
+  case $1 in
+    small)
+      oracle="T1-N9-H7168 or T33-N1-H4096 or T2-N2-H200"
+      moe="cuda_matches_cpu or T1-k32-D16384 or remote_routes"
+      chain="fold_is_bitwise_invisible and cuda-1-snapshot_major" ;;
+    large)
+      oracle="T"
+      moe="cuda"
+      chain="fold_is_bitwise_invisible or materialize_first" ;;
+    *)
+      oracle="T1-N9-H7168 or T2-N2-H200 or T33-N9-H7168 or T3-N16-H16384 or T33-N1-H4096 or T5-N4-H2304 or T3-N11-H8"
+      moe="cuda_matches_cpu or T1-k32-D16384 or T4-k32-D3584 or T33-k8-D7168 or T8-k16-D8 or remote_routes or all_remote or out_of_range"
+      chain="fold_is_bitwise_invisible and snapshot_major and not kimi_block" ;;
+  esac
+  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)))"
+}
+k_graph() {
+  case $1 in
+    small) echo "(test_cuda_graphs_pdl and (1-5-7168 or newest_bank_row and 1-7168)) or (test_moe_finalize and graph)" ;;
+    large) echo "test_cuda_graphs_pdl or (test_moe_finalize and graph) or (test_stress and cuda)" ;;
+    *) echo "(test_cuda_graphs_pdl and (1-5-7168 or 8-3-2304 or newest_bank_row or first_call_inside or callers_stream)) or (test_moe_finalize and graph) or (test_stress and calls_on_cuda_streams)" ;;
+  esac
+}
+MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py)
+GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py)
+GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
+GTEST_RACE=${SANITIZE_GTEST_FILTER_RACECHECK:-*AddDecodeT1*:*Add2TokenMajorT32*:*Add2SmallPadded*:*DeterministicWithAndWithoutPdlAndInAGraph*}
+GTEST_MOE=${SANITIZE_GTEST_FILTER_MOE:-MoeFinalizeGpu.*}
+
+# ---------------------------------------------------------------------------------------- running a step
+declare -a ROWS=()
+findings=0
+incomplete=0
+failures=0
+
+# Sums every "ERROR SUMMARY: n errors" (one per process) and racecheck's hazard counts; lists the kernels
+# named in the reports.
+parse_log() {  # $1 log -> "errors kernels"
+  python3 - "$1" <<'PY'
+import re, sys, collections
+text = open(sys.argv[1], errors="replace").read()
+errors = sum(int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text))
+errors += sum(int(n) for n in re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text))
+kernels = collections.Counter()
+for line in text.splitlines():
+    m = re.match(r"=+\s+(?:at|in) (?:0x[0-9a-f]+ in )?(.+)$", line)
+    if m and ("(" in m.group(1) or "<" in m.group(1)):
+        name = re.sub(r"\(.*", "", m.group(1)).strip()
+        kernels[name[-80:]] += 1
+tests = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected)[^\n]*?)(?: in [\d.]+s)?\s*=*$", text, re.M)
+tail = tests[-1] if tests else ""
+gt = re.findall(r"\[  (PASSED|FAILED)  \] (\d+) test", text)
+if gt:
+    tail = ", ".join(f"{n} {s.lower()}" for s, n in gt)
+top = "; ".join(f"{k} x{v}" for k, v in kernels.most_common(5))
+print(f"{errors}\t{top or '-'}\t{tail or '-'}")
+PY
+}
+
+run_step() {  # $1 tool, $2 step name, rest: the command (run under the sanitizer)
+  local tool=$1 name=$2
+  shift 2
+  local log=$LOGS/${tool}_${name}.log
+  local now=$(( $(date +%s) - START ))
+  if (( now + 20 > BUDGET )); then
+    ROWS+=("$tool|$name|not run: budget of ${BUDGET}s spent|-|-|-")
+    incomplete=1
+    return
+  fi
+  local left=$(( BUDGET - now ))
+  local limit=$(( STEP_TIMEOUT < left ? STEP_TIMEOUT : left ))
+  local t0=$(date +%s)
+  echo "== $tool / $name (limit ${limit}s)"
+  tool_opts "$tool"
+  timeout --signal=INT --kill-after=15 "$limit" "$CS" --tool "$tool" "${COMMON[@]}" "${TOOL_OPTS[@]}" "$@" \
+    >"$log" 2>&1
+  local rc=$?
+  local dt=$(( $(date +%s) - t0 ))
+  local parsed errors kernels tests status
+  parsed=$(parse_log "$log")
+  IFS=$'\t' read -r errors kernels tests <<<"$parsed"
+  if (( rc == 124 || rc == 130 || rc == 137 )); then
+    status="TIMEOUT after ${dt}s"; incomplete=1
+  elif (( rc == 99 || errors > 0 )); then
+    status="FINDINGS"; findings=1
+  elif (( rc == 5 )) && [[ $* == *pytest* ]]; then
+    status="no test selected"; incomplete=1
+  elif (( rc != 0 )); then
+    status="FAILED (rc $rc)"; failures=1
+  else
+    status="clean"
+  fi
+  (( errors > 0 )) && findings=1
+  ROWS+=("$tool|$name|$status|$errors|${dt}s|$tests|$kernels")
+  echo "   $status, errors $errors, ${dt}s, $tests"
+}
+
+gtest_bin() {  # $1 binary name -> path, building it if the ctest tree exists but lacks it
+  local bin=$CTEST_DIR/cpp/tests/$1
+  if [[ ! -x $bin && -d $CTEST_DIR ]]; then
+    cmake --build "$CTEST_DIR" --target "$1" >>"$LOGS/build.log" 2>&1 || true
+  fi
+  [[ -x $bin ]] && echo "$bin"
+}
+
+# ---------------------------------------------------------------------------------------- the runs
+echo "compute-sanitizer: $("$CS" --version 2>&1 | tail -1); kernel filter: $KFILTER"
+for tool in $TOOLS; do
+  size=$(size_of "$tool")
+  gfilter=$GTEST_ALL
+  [[ $tool == racecheck ]] && gfilter=$GTEST_RACE
+
+  # (a) GoogleTest GPU suites
+  for suite in test_cuda_backend test_moe_finalize; do
+    bin=$(gtest_bin $suite)
+    if [[ -z $bin ]]; then
+      ROWS+=("$tool|gtest $suite|not run: $CTEST_DIR/cpp/tests/$suite missing (run tools/gpu_check.sh test first)|-|-|-")
+      incomplete=1
+      continue
+    fi
+    filter=$gfilter
+    [[ $suite == test_moe_finalize ]] && filter=$GTEST_MOE
+    run_step "$tool" "gtest_$suite" "$bin" --gtest_filter="$filter"
+  done
+
+  # (b) pytest: the non-graph subset (uncached allocations where the tool reads allocations), then graphs
+  kmain=${SANITIZE_K_MAIN:-$(k_main "$size")}
+  kgraph=${SANITIZE_K_GRAPH:-$(k_graph "$size")}
+  pytest_cmd=(python3 -m pytest -q -p no:cacheprovider -m gpu)
+  if [[ $tool == memcheck || $tool == initcheck ]]; then
+    run_step "$tool" pytest_uncached env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${pytest_cmd[@]}" -k "$kmain" "${MAIN_FILES[@]}"
+    run_step "$tool" pytest_graphs "${pytest_cmd[@]}" -k "$kgraph" "${GRAPH_FILES[@]}"
+  else
+    # Shared memory and barriers do not depend on the allocator: one process, graphs included.
+    run_step "$tool" pytest "${pytest_cmd[@]}" -k "($kmain) or ($kgraph)" \
+      $(printf '%s\n' "${MAIN_FILES[@]}" "${GRAPH_FILES[@]}" | sort -u)
+  fi
+
+  # (c) random shapes and layouts (memcheck: out-of-bounds accesses are what random strides find)
+  if [[ $tool == memcheck && $STRESS_CALLS -gt 0 ]]; then
+    run_step "$tool" stress_calls env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 -m attnres.stress calls \
+      --count "$STRESS_CALLS" --device cuda --streams 2 --graph-every 0 --quiet --seed 5
+  fi
+done
+
+# ---------------------------------------------------------------------------------------- summary
+{
+  echo "tools/sanitize.sh at $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+  echo "compute-sanitizer: $("$CS" --version 2>&1 | tail -1)"
+  echo "options: ${COMMON[*]}; kernel filter (racecheck, synccheck): $KFILTER; memcheck, initcheck: every kernel"
+  echo "sizes: $(for t in $TOOLS; do printf '%s %s; ' "$t" "$(size_of "$t")"; done)stress calls under memcheck: $STRESS_CALLS; wall $(( $(date +%s) - START ))s"
+  echo
+  printf '%-10s %-24s %-28s %-7s %-6s %s\n' tool step status errors time "tests / kernels named in reports"
+  for row in "${ROWS[@]}"; do
+    IFS='|' read -r tool name status errors dt tests kernels <<<"$row"
+    printf '%-10s %-24s %-28s %-7s %-6s %s\n' "$tool" "$name" "$status" "$errors" "$dt" "$tests"
+    [[ -n ${kernels:-} && $kernels != - ]] && printf '%-78s kernels: %s\n' "" "$kernels"
+  done
+  echo
+  for size in $(for t in $TOOLS; do size_of "$t"; echo; done | sort -u); do
+    echo "pytest -k (main, $size): ${SANITIZE_K_MAIN:-$(k_main "$size")}"
+    echo "pytest -k (graphs, $size): ${SANITIZE_K_GRAPH:-$(k_graph "$size")}"
+  done
+  echo "gtest filters: $GTEST_ALL (racecheck: $GTEST_RACE); moe: $GTEST_MOE"
+  if (( findings )); then echo "RESULT: FINDINGS (see $LOGS)";
+  elif (( failures )); then echo "RESULT: TEST FAILURES under the sanitizer (see $LOGS)";
+  elif (( incomplete )); then echo "RESULT: no finding, but not every step ran to the end";
+  else echo "RESULT: clean"; fi
+} | tee "$SUMMARY"
+(( findings || failures )) && exit 1
+(( incomplete )) && exit 3
+exit 0
