@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|chain|bench|full|profile][,more]   results and logs under $OUT (default ./gpu_out)
+#   tools/gpu_check.sh [smoke|test|chain|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
 # smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run); chain: the
-# decode-chain benchmark and the regression guard;
+# decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
+# stress: the random-call and decode-chain stress runs (python -m attnres.stress);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
 # .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
@@ -99,5 +100,29 @@ if has bench full; then
   step "benchmarks"
   python3 -m attnres.bench all --out "$OUT/bench.json" 2>&1 | tail -12 || status=1
 fi
+if has sanitize; then
+  if [[ ! -x build/ctest/cpp/tests/test_cuda_backend || ! -x build/ctest/cpp/tests/test_moe_finalize ]]; then
+    step "ctest build (the sanitizer runs the GPU gtest suites)"
+    gt=$PWD/.gpu_carry/gtest/lib/x86_64-linux-gnu/cmake/GTest
+    { cmake -S . -B build/ctest -G Ninja -DATTNRES_BUILD_TESTS=ON -DATTNRES_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
+        -DGTest_DIR="$gt" && cmake --build build/ctest --target test_cuda_backend test_moe_finalize; } \
+      >"$OUT/ctest_build.log" 2>&1 || { tail -20 "$OUT/ctest_build.log"; status=1; }
+  fi
+  step "compute-sanitizer: memcheck, racecheck, synccheck, initcheck (tools/sanitize.sh)"
+  OUT="$OUT" SANITIZE_BUDGET_S=${SANITIZE_BUDGET_S:-450} tools/sanitize.sh >"$OUT/sanitize.log" 2>&1 || status=1
+  tail -45 "$OUT/sanitize_summary.txt"
+fi
+
+if has stress; then
+  step "stress: random calls on 4 streams with graph replays, checked against the CPU backend"
+  python3 -m attnres.stress calls --count ${STRESS_CALLS:-100000} --streams 4 --device cuda \
+    --max-seconds ${STRESS_CALLS_S:-270} --quiet >"$OUT/stress_calls.json" 2>"$OUT/stress_calls.log" || status=1
+  tail -5 "$OUT/stress_calls.log"; tail -c 1200 "$OUT/stress_calls.json"; echo
+  step "stress: Kimi K3 decode chain (93 layers, H = 7168), fold on vs off, one graph per step"
+  python3 -m attnres.stress chain --steps ${STRESS_STEPS:-10000} --device cuda --max-seconds ${STRESS_CHAIN_S:-180} \
+    --quiet >"$OUT/stress_chain.json" 2>"$OUT/stress_chain.log" || status=1
+  tail -5 "$OUT/stress_chain.log"; tail -c 1200 "$OUT/stress_chain.json"; echo
+fi
+
 step "done: status $status"
 exit $status
