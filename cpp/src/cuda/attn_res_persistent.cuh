@@ -80,6 +80,23 @@ struct PersistentParams {
 };
 
 // ---- PTX helpers of this kernel (the shared ones live in device_utils.cuh) ----
+// Waits until the phase of parity `parity` of a CTA-local mbarrier has completed. CTA scope (acquire.cta, the
+// default): device_utils.cuh's mbarrier_wait_parity acquires at cluster scope for split_k's exchanges, which
+// compiles to an L1 invalidation (CCTL.IVALL) after every successful wait, once per row here.
+__device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n"
+        "  .reg .pred p;\n"
+        "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "  selp.u32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  }
+}
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
@@ -130,7 +147,7 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
           grid_dependency_wait();
           waited = true;
         }
-        mbarrier_wait_parity(empty0 + 8 * cur.slot, cur.phase ^ 1u);  // a fresh barrier passes parity 1
+        wait_parity(empty0 + 8 * cur.slot, cur.phase ^ 1u);  // a fresh barrier passes parity 1
         if (lane == 0) {
           const uint32_t full = full0 + 8 * cur.slot;
           mbarrier_expect_tx(full, p.row_bytes);
@@ -241,7 +258,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
 
       // ---- 1. scores, row by row as the rows land ----
       for (int n = 0; n < K; ++n) {
-        mbarrier_wait_parity(full0 + 8 * cur.slot, cur.phase);
+        wait_parity(full0 + 8 * cur.slot, cur.phase);
         const unsigned char* row = ring_ptr + cur.slot * p.slot_bytes;
         float ss = 0.0f, dot = 0.0f;
 #pragma unroll
@@ -269,8 +286,8 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
           add = cur;
           cur.advance(S);
         }
-        mbarrier_wait_parity(full0 + 8 * pre.slot, pre.phase);
-        if constexpr (ADD) mbarrier_wait_parity(full0 + 8 * add.slot, add.phase);
+        wait_parity(full0 + 8 * pre.slot, pre.phase);
+        if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
         const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
         const unsigned char* add_row = ring_ptr + add.slot * p.slot_bytes;
         float ss = 0.0f, dot = 0.0f;
@@ -328,7 +345,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
         for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
       RingCursor mix = two_pass ? cur : first;
       for (int n = 0; n < K; ++n) {
-        if (two_pass) mbarrier_wait_parity(full0 + 8 * mix.slot, mix.phase);
+        if (two_pass) wait_parity(full0 + 8 * mix.slot, mix.phase);
         const float pn = __shfl_sync(0xffffffffu, prob, n);
         const unsigned char* row = ring_ptr + mix.slot * p.slot_bytes;
 #pragma unroll
@@ -351,8 +368,8 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
           mix.advance(S);
         }
         if (two_pass) {
-          mbarrier_wait_parity(full0 + 8 * pre.slot, pre.phase);
-          if constexpr (ADD) mbarrier_wait_parity(full0 + 8 * add.slot, add.phase);
+          wait_parity(full0 + 8 * pre.slot, pre.phase);
+          if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
         }
         const float pK = __shfl_sync(0xffffffffu, prob, K);
         const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
