@@ -80,22 +80,39 @@ struct PersistentParams {
 };
 
 // ---- PTX helpers of this kernel (the shared ones live in device_utils.cuh) ----
-// Waits until the phase of parity `parity` of a CTA-local mbarrier has completed. CTA scope (acquire.cta, the
-// default): device_utils.cuh's mbarrier_wait_parity acquires at cluster scope for split_k's exchanges, which
-// compiles to an L1 invalidation (CCTL.IVALL) after every successful wait, once per row here.
+// Whether the phase of parity `parity` of a CTA-local mbarrier has completed (try_wait may suspend the thread
+// for a while first). CTA scope (acquire.cta, the default): device_utils.cuh's mbarrier_wait_parity acquires
+// at cluster scope for split_k's exchanges, which compiles to an L1 invalidation (CCTL.IVALL) after every
+// successful wait, once per row here.
+__device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Every wait of this kernel is on data already in flight or on another warp of the same block that is not
+// waiting on anything outside the block (the grid dependency is resolved before the first wait that could
+// depend on it): none legitimately lasts more than microseconds. One that has not completed after
+// kWatchdogNs means the ring protocol is broken; the kernel traps (the launch fails with an error the caller
+// sees) instead of hanging the stream forever. The clock is read only once a wait has failed.
+constexpr uint64_t kWatchdogNs = 10ull * 1000 * 1000 * 1000;
 __device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n"
-        "  .reg .pred p;\n"
-        "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "  selp.u32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  }
+  if (try_wait_parity(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!try_wait_parity(bar, parity))
+    if (global_timer_ns() - start > kWatchdogNs) __trap();
 }
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
@@ -135,6 +152,7 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
   const int K = p.snapshots, rows = K + 1 + (has_add ? 1 : 0);
   RingCursor cur;
   bool waited = false;
+  int issued = 0;  // before the wait: copies issued, all into slots never used yet
   for (int t = blockIdx.x; t < p.tokens; t += gridDim.x) {
     for (int pass = 0; pass < p.passes; ++pass) {
       for (int r = 0; r < rows; ++r) {
@@ -142,11 +160,14 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
             r < K ? p.bank + t * p.bank_token_stride + r * p.bank_snapshot_stride
                   : (r == K ? p.layer_residual + t * p.lr_stride : p.add + t * p.add_stride);
         // Bank rows 0..K-2 may be read before the grid dependency resolves; the newest row K-1 (the previous
-        // call may have written it as its snapshot), the prefix and the addend only after.
-        if (!waited && r >= K - 1) {
+        // call may have written it as its snapshot), the prefix and the addend only after. Before it, only
+        // into fresh slots: a wait for a released slot would wait on consumers that are themselves waiting
+        // for the dependency (and the watchdog below counts on no wait depending on it).
+        if (!waited && (r >= K - 1 || issued == p.slots)) {
           grid_dependency_wait();
           waited = true;
         }
+        ++issued;
         wait_parity(empty0 + 8 * cur.slot, cur.phase ^ 1u);  // a fresh barrier passes parity 1
         if (lane == 0) {
           const uint32_t full = full0 + 8 * cur.slot;
