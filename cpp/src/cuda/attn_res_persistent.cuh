@@ -200,10 +200,14 @@ __device__ __forceinline__ uint4 prefix_vector(const unsigned char* prefix_row, 
   }
 }
 
-template <int V>
-__device__ __forceinline__ void accumulate_scores(uint4 x, const float (&q)[8], float& ss, float& dot) {
+// One vector's (sum of squares, dot with q): fma chains over its 8 elements in order. The thread's V vectors
+// get chains of their own (summed in j order afterwards): V independent chains instead of one 8V long, which
+// is the latency a row's scoring costs.
+__device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], float& ss, float& dot) {
   float f[8];
   unpack8(x, f);
+  ss = 0.0f;
+  dot = 0.0f;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
     ss = fmaf(f[e], f[e], ss);
@@ -281,11 +285,17 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       for (int n = 0; n < K; ++n) {
         wait_parity(full0 + 8 * cur.slot, cur.phase);
         const unsigned char* row = ring_ptr + cur.slot * p.slot_bytes;
-        float ss = 0.0f, dot = 0.0f;
+        float ssj[V], dotj[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const uint4 x = valid(j) ? *reinterpret_cast<const uint4*>(row + offset(j)) : make_uint4(0, 0, 0, 0);
-          accumulate_scores<V>(x, q[j], ss, dot);
+          vector_scores(x, q[j], ssj[j], dotj[j]);
+        }
+        float ss = ssj[0], dot = dotj[0];
+#pragma unroll
+        for (int j = 1; j < V; ++j) {
+          ss += ssj[j];
+          dot += dotj[j];
         }
         ss = warp_sum(ss);
         dot = warp_sum(dot);
@@ -311,14 +321,20 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
         if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
         const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
         const unsigned char* add_row = ring_ptr + add.slot * p.slot_bytes;
-        float ss = 0.0f, dot = 0.0f;
+        float ssj[V], dotj[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           const uint4 P = valid(j) ? prefix_vector<ADD>(pre_row, add_row, offset(j)) : make_uint4(0, 0, 0, 0);
           if constexpr (ADD) {
             if (valid(j)) store16(p.updated + t * p.updated_stride + offset(j) / 2, P);
           }
-          accumulate_scores<V>(P, q[j], ss, dot);
+          vector_scores(P, q[j], ssj[j], dotj[j]);  // the same code as a bank row's: only P's value differs
+        }
+        float ss = ssj[0], dot = dotj[0];
+#pragma unroll
+        for (int j = 1; j < V; ++j) {
+          ss += ssj[j];
+          dot += dotj[j];
         }
         ss = warp_sum(ss);
         dot = warp_sum(dot);
