@@ -1,10 +1,14 @@
 """A model of the persistent kernel's ring protocol (cpp/src/cuda/attn_res_persistent.cuh: produce_rows and the
 consumer loop's cursors, waits and releases), for checking a change to the protocol without a GPU:
-`python3 tools/persistent_ring_model.py [seeds]`. It models the protocol only, not the arithmetic; keep it in
-step with the kernel. Run under random interleavings: one producer, W consumer warps, bulk copies landing after random delays, mbarriers with
-phase parity semantics. Checks: no deadlock, every consumer read sees the row it expects and that row has
-landed, no copy overwrites a slot some warp may still read, every parity wait matches exactly the phase it
-means (never a phase two laps away), the PDL rule (only bank rows 0..K-2 before the wait)."""
+
+    python3 tools/persistent_ring_model.py [seeds]
+
+It models the protocol only, not the arithmetic; keep it in step with the kernel. One producer, W consumer
+warps, bulk copies landing after random delays, mbarriers with phase-parity semantics and a grid dependency
+that resolves at a random moment, all under random interleavings. Checks: no deadlock; every consumer read
+sees the row it expects, landed; no copy overwrites a slot a warp may still read; every parity wait matches
+exactly the phase it means (never one a lap away); before the grid dependency resolves, only bank rows
+0..K-2 are copied and no wait depends on the consumers."""
 
 import random
 import sys
