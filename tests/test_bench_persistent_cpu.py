@@ -95,8 +95,13 @@ def test_summary_lines():
     assert persistent.summary([{"suite": "decode"}]) == []
 
 
-def test_cli_needs_a_gpu_to_measure(capsys):
-    if torch.cuda.is_available():
-        pytest.skip("a GPU is visible: the CLI would measure")
-    assert bench_main(["persistent"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+def test_cli(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--help"])
+    assert exc.value.code == 0 and "'persistent'" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:  # refused before anything is measured, GPU or not
+        bench_main(["persistent", "--hidden", "7170"])
+    assert exc.value.code == 2 and "--hidden must be a multiple of 8" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert bench_main(["persistent"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -71,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu" and args.suite != "chain":
         p.error("--device cpu applies to the chain suite only")
+    if args.suite in ("persistent", "all") and args.hidden is not None and (
+            args.hidden % 8 or not 8 <= args.hidden <= 16384):
+        p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
     if args.suite == "guard":
         return _guard(args)
     if args.suite == "chain" and args.device == "cpu":
