@@ -29,15 +29,16 @@
 //     released one by one as they are mixed;
 //   * two passes (passes = 2, when a token's rows do not fit the ring, e.g. H = 16384, N = 16): each row is
 //     streamed twice, released right after scoring and again after mixing. The second pass reads the same
-//     bytes (mostly from L2) and repeats the same arithmetic, so the results do not change.
+//     bytes (from L2 when they are still there) and repeats the same arithmetic, so the results do not change.
 //
 // Determinism: which thread owns an element and every reduction order depend on H only (the plan's consumer
 // count and vector bucket), never on T, on the block that runs the token, on the grid or on the ring depth.
 //
-// PDL: before griddepcontrol.wait the consumers load the weights (into registers, once per block) and the
-// producer may issue copies of bank rows 0..K-2 (written two or more calls ago); it executes the wait before
-// the first copy of a newest bank row K-1, a prefix or an addend, and every consumer waits before it reads a
-// row or stores anything. Dependents are released (griddepcontrol.launch_dependents) after a block-wide
+// PDL: before griddepcontrol.wait the consumers load the weights (into registers, once per block; for H > 8192
+// the norm weight into thread-private shared memory) and the producer may issue copies of the first token's
+// bank rows 0..K-2 (written two or more calls ago) into slots never used yet; it executes the wait before the
+// first copy of a newest bank row K-1, a prefix or an addend, and every consumer waits before it reads a row
+// or stores anything. Dependents are released (griddepcontrol.launch_dependents) after a block-wide
 // barrier that follows every store of the block.
 //
 // Proxy ordering: ring slots are written only by the copy engine (async proxy) and only read by the
