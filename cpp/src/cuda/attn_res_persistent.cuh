@@ -370,7 +370,8 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
         // Past N the probability is 0 by selection, not by exp(-inf - max) (NaN when no logit is finite).
         const float e = lane < N ? __expf(logit - max_logit) : 0.0f;
         const float denom = warp_sum(e);
-        prob = e * (1.0f / denom);
+        // Selected again after the normalisation: lanes past N stay 0 even when the denominator is NaN.
+        prob = lane < N ? e * (1.0f / denom) : 0.0f;
         // N = 1: the mixture is P itself (ops.md step 6), also when its logit is not finite.
         if (N == 1) prob = lane == 0 ? 1.0f : 0.0f;
       }
