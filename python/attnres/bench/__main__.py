@@ -32,11 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
     p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "persistent", "guard", "all",
                                      "plot"],
-                   help="which sweep to run ('all': floors, decode, tune, finalize, chain, persistent); 'chain': the "
+                   help="which sweep to run ('all': floors, decode, tune, finalize, chain); 'chain': the "
                         "93-layer Kimi K3 decode step with the MoE-tail fold on vs off (target P6); 'persistent': the "
                         "persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
                         "12}, with and without the addend, with the crossover T and target P5 (about 3 minutes on "
-                        "an H200; --hidden sets H, default 7168); 'guard': a quick check of "
+                        "an H200, run on its own: not part of 'all'; --hidden sets H, default 7168); 'guard': a "
+                        "quick check of "
                         "key points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of an "
                         "existing results file (--out) into --plots")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu" and args.suite != "chain":
         p.error("--device cpu applies to the chain suite only")
-    if args.suite in ("persistent", "all") and args.hidden is not None and (
+    if args.suite == "persistent" and args.hidden is not None and (
             args.hidden % 8 or not 8 <= args.hidden <= 16384):
         p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
     if args.suite == "guard":
@@ -104,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite in ("chain", "all"):
             records += chain.run(tokens=chain_tokens, device="cuda", config=chain_config, pdl=not args.no_pdl,
                                  repeats=args.repeats, progress=progress)
-        if args.suite in ("persistent", "all"):
+        if args.suite == "persistent":
             copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
             extra.setdefault("floors", {})["copy_tbs"] = copy_tbs
             records += persistent.run(quick=args.quick, H=args.hidden or persistent.H_DEFAULT,
