@@ -18,6 +18,8 @@ int cuda_device_count();
 DeviceInfo cuda_query_device(int index);
 // Launches the per-token kernel `plan` chose on args.stream. Throws CudaError on a failed launch.
 void cuda_attn_res(AttnResOp op, const AttnResArgs& args, const Plan& plan);
+// Launches the persistent kernel with the plan's geometry on args.stream (cuda/attn_res_persistent_launch.cu).
+void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& args, const Plan& plan);
 void cuda_moe_finalize(const MoeFinalizeArgs& args, const MoeFinalizePlan& plan);
 #endif
 

@@ -5,6 +5,7 @@
 
 #include "attnres/attn_res.hpp"
 #include "attnres/error.hpp"
+#include "persistent_layout.hpp"
 #include "plan_tuning.hpp"
 
 namespace attnres {
@@ -77,6 +78,34 @@ std::string persistent_decline(const PlanQuery& q) {
   return {};
 }
 
+// The persistent kernel's geometry (cuda/attn_res_persistent.cuh): consumer warps and the vector bucket from H
+// alone (they fix every reduction order), the ring as deep as the device's shared memory allows, one pass when
+// a token's rows fit the ring with room to stream the next token, two passes otherwise; one block per SM.
+Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+  const int64_t H = q.hidden;
+  const int64_t rows = q.candidates + (q.add ? 1 : 0);  // rows streamed per token: K bank rows, prefix, addend
+  const int32_t slots = persistent::max_slots(dev.shared_memory_per_block_optin, H);
+  if (slots < tuning::kPersistentMinSlots)
+    return declined("the persistent kernel needs " +
+                    std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, H)) +
+                    " bytes of shared memory per block for H = " + std::to_string(H) + " (" +
+                    std::to_string(tuning::kPersistentMinSlots) + " row slots); " + device_name(dev.device) +
+                    " offers " + std::to_string(dev.shared_memory_per_block_optin));
+  Plan p;
+  p.kernel = KernelKind::persistent;
+  p.pdl = o.pdl;
+  p.cluster = 1;
+  p.vectors = persistent::vectors_per_thread(H);
+  p.threads = persistent::consumer_threads(H) + persistent::kProducerThreads;
+  p.max_candidates = static_cast<int32_t>(kMaxCandidates);  // N is a runtime value of every instance
+  p.slots = slots;
+  p.passes = slots >= rows + tuning::kPersistentOnePassSpareSlots ? 1 : 2;
+  p.smem_bytes = static_cast<int32_t>(persistent::smem_bytes(slots, H));
+  const int64_t resident = static_cast<int64_t>(std::max(dev.sm_count, 1)) * tuning::kPersistentBlocksPerSm;
+  p.blocks = static_cast<int32_t>(std::min<int64_t>(q.tokens, resident));
+  return p;
+}
+
 }  // namespace
 
 Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
@@ -122,7 +151,7 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
     return declined("T = " + std::to_string(q.tokens) + " exceeds the per-launch limit of " +
                     std::to_string(tuning::kMaxTokensPerLaunch) + " tokens");
 
-  if (persistent) return declined("the persistent kernel is not part of this build yet");
+  if (persistent) return persistent_plan(q, dev, o);
 
   const int64_t vecs = q.hidden / 8;  // 16-byte vectors per row
   const bool single_fits =

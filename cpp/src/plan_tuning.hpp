@@ -26,6 +26,18 @@ constexpr int64_t kSplitKMaxThreads = 256;
 // (T = 1, N = 9, H = 7168: 3.60 us vs 3.59 us at 8; docs/performance.md).
 constexpr int32_t kMaxCluster = 8;
 
+// The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). One block per SM: its ring
+// takes the block's whole shared-memory budget (227 KB on sm_90), so a second block could not be resident.
+// To be measured on the H200 (python -m attnres.bench persistent).
+constexpr int64_t kPersistentBlocksPerSm = 1;
+// One pass keeps a token's rows resident from scoring to mixing; it needs the ring to hold them plus at
+// least this many slots, so the next token's rows stream while this one is reduced and mixed (otherwise
+// nothing is in flight between a token's last row landing and its first row being released). At H = 7168
+// (16 slots) that is N <= 14 with an addend, N <= 15 without; larger tokens take two passes.
+constexpr int64_t kPersistentOnePassSpareSlots = 1;
+// Two passes hold at most the prefix and the addend at once; with fewer slots the plan declines.
+constexpr int32_t kPersistentMinSlots = 2;
+
 // Grid x is T * cluster blocks (< 2^31).
 constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;
 

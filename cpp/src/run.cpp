@@ -23,6 +23,9 @@ void run(AttnResOp op, const AttnResArgs& args, const Options& options) {
     case KernelKind::split_k:
       detail::cuda_attn_res(op, args, p);
       return;
+    case KernelKind::persistent:
+      detail::cuda_attn_res_persistent(op, args, p);
+      return;
 #endif
     default:
       throw UnsupportedError(std::string(op_name(op)) + ": kernel " + kernel_name(p.kernel) +

@@ -14,6 +14,9 @@
 
 #if ATTNRES_WITH_CUDA
 #include <cuda_runtime.h>
+
+#include "backend.hpp"            // the persistent launcher, run with other geometries than the plan's
+#include "persistent_layout.hpp"
 #endif
 
 namespace attnres_test {
@@ -377,25 +380,198 @@ INSTANTIATE_TEST_SUITE_P(Kernels, GpuKernel, ::testing::Values(KernelKind::singl
                            return std::string(attnres::kernel_name(info.param));
                          });
 
-// The persistent op, once its kernel is in the build (until then the plan says so and the call is refused).
-TEST(GpuPersistent, MatchesCpuOrDeclinesCleanly) {
+// ---------------------------------------------------------------------------------------------------------
+// The persistent kernel (cuda/attn_res_persistent.cuh): reached by the persistent op and, under the
+// persistent topology, by attn_res_rmsnorm and attn_res_add_rmsnorm.
+
+Options persistent_topology(bool pdl = true) {
+  Options o;
+  o.topology = attnres::Topology::persistent;
+  o.pdl = pdl;
+  return o;
+}
+
+std::vector<GpuShape> persistent_shapes() {
+  using BL = BankLayout;
+  return {
+      {"KimiK3Add", make(P, 300, 8, 7168)},
+      {"KimiK3NoAdd", make(P, 300, 8, 7168, [](Config& c) { c.add = false; })},
+      {"TwoPassesH16384", make(P, 40, 15, 16384, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 16; })},
+      {"TwoPassesH7168", make(P, 140, 15, 7168)},
+      {"OddHiddenPaddedOffset", make(P, 150, 3, 2056, [](Config& c) { c.pad = 16; c.offset = 8; })},
+      {"RmsnormTopology", make(N, 200, 5, 4096, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 7; })},
+      {"AddRmsnormTopology", make(A, 133, 11, 8192, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 12; })},
+      {"OneCandidateOneVector", make(P, 70, 0, 8)},
+      {"KimiLinear", make(P, 500, 4, 2304, [](Config& c) { c.rms_eps = 1e-2; c.norm_eps = 1e-6; c.magnitude = 0.1; })},
+  };
+}
+
+class GpuPersistentShapes : public ::testing::TestWithParam<GpuShape> {};
+
+TEST_P(GpuPersistentShapes, MatchesCpuAndSplitK) {
   REQUIRE_HOPPER();
-  for (bool with_add : {true, false}) {
-    Config cfg = make(P, 300, 7, 7168, [&](Config& c) { c.add = with_add; });
-    cfg.seed = test_seed(with_add);
-    const Case before(cfg);
-    const attnres::Plan p = plan_on_gpu(before, Options{});
-    if (!p.accepted()) {
-      Stream stream;
-      DeviceMirror mirror(before);
-      EXPECT_THROW(attnres::run(P, mirror.args(stream.get())), attnres::UnsupportedError);
-      stream.sync();
-      EXPECT_TRUE(storage_unchanged(before, mirror.download()));
-      GTEST_SKIP() << "persistent kernel declined: " << p.decline;
-    }
-    EXPECT_EQ(p.kernel, KernelKind::persistent);
-    expect_gpu_matches_cpu(before, run_gpu(before, Options{}));
+  Config cfg = GetParam().cfg;
+  cfg.seed = test_seed();
+  const Case before(cfg);
+  const Options o = persistent_topology();
+  const attnres::Plan p = plan_on_gpu(before, o);
+  ASSERT_TRUE(p.accepted()) << p.decline;
+  ASSERT_EQ(p.kernel, KernelKind::persistent);
+  const Case gpu = run_gpu(before, o);
+  expect_gpu_matches_cpu(before, gpu);
+  // The per-token split_k kernel on the same inputs: updated bit for bit, output within the tolerance.
+  if (cfg.op != P) {
+    const Case sk = run_gpu(before, forced(KernelKind::split_k));
+    EXPECT_TRUE(bf16_close(gpu.output.values(), sk.output.values(), "output vs split_k"));
+    if (before.uses_add()) { EXPECT_TRUE(bits_equal(gpu.updated.bits(), sk.updated.bits(), "updated vs split_k")); }
   }
+  // Run to run, and with PDL off: the same bits.
+  EXPECT_TRUE(storage_unchanged(gpu, run_gpu(before, o))) << "second run";
+  EXPECT_TRUE(storage_unchanged(gpu, run_gpu(before, persistent_topology(false)))) << "PDL off";
+}
+
+INSTANTIATE_TEST_SUITE_P(Persistent, GpuPersistentShapes, ::testing::ValuesIn(persistent_shapes()),
+                         [](const ::testing::TestParamInfo<GpuShape>& info) { return std::string(info.param.name); });
+
+// The launcher run directly with other ring depths, pass modes and grids than the plan's: a token's bits do
+// not depend on any of them (the consumer count and vector bucket, which fix the arithmetic, stay the plan's).
+TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
+  REQUIRE_HOPPER();
+  for (bool add : {true, false}) {
+    for (int64_t H : {int64_t{7168}, int64_t{16384}, int64_t{2056}}) {
+      // K = 3 at H = 16384 leaves a one-pass ring (6 slots) to compare with; K = 8 elsewhere.
+      const int64_t K = H == 16384 ? 3 : 8;
+      Config cfg = make(P, 300, K, H, [&](Config& c) {
+        c.add = add;
+        c.bank_layout = BankLayout::token_major;
+        c.bank_rows = K + 1;
+      });
+      cfg.seed = test_seed(static_cast<uint64_t>(H) + add);
+      const Case before(cfg);
+      const attnres::Plan planned = plan_on_gpu(before, Options{});
+      ASSERT_EQ(planned.kernel, KernelKind::persistent) << planned.decline;
+      const Case baseline = run_gpu(before, Options{});
+      const int32_t rows = static_cast<int32_t>(cfg.K + 1 + (add ? 1 : 0));
+      struct Variant {
+        int32_t slots, passes, blocks;
+      };
+      std::vector<Variant> variants = {{2, 2, 132}, {3, 2, 7}, {planned.slots, 2, 1}, {planned.slots, 2, 300}};
+      if (planned.slots >= rows) {
+        variants.push_back({rows, 1, 132});
+        variants.push_back({planned.slots, 1, 5});
+      }
+      for (const Variant& v : variants) {
+        SCOPED_TRACE("H=" + std::to_string(H) + " add=" + std::to_string(add) + " slots=" + std::to_string(v.slots) +
+                     " passes=" + std::to_string(v.passes) + " blocks=" + std::to_string(v.blocks));
+        attnres::Plan p = planned;
+        p.slots = v.slots;
+        p.passes = v.passes;
+        p.blocks = v.blocks;
+        p.smem_bytes = static_cast<int32_t>(attnres::persistent::smem_bytes(v.slots, H));
+        Stream stream;
+        DeviceMirror mirror(before);
+        attnres::detail::cuda_attn_res_persistent(P, mirror.args(stream.get()), p);
+        stream.sync();
+        EXPECT_TRUE(storage_unchanged(baseline, mirror.download()));
+      }
+    }
+  }
+}
+
+// A CUDA-graph replay of the call gives the eager bits, with and without PDL.
+TEST(GpuPersistent, GraphReplayEqualsEager) {
+  REQUIRE_HOPPER();
+  Config cfg = make(A, 500, 8, 7168, [](Config& c) { c.bank_layout = BankLayout::token_major; c.bank_rows = 9; });
+  cfg.seed = test_seed();
+  const Case before(cfg);
+  const Case eager = run_gpu(before, persistent_topology());
+  for (bool pdl : {true, false}) {
+    Stream stream;
+    DeviceMirror mirror(before);
+    const AttnResArgs a = mirror.args(stream.get());
+    const Options o = persistent_topology(pdl);
+    attnres::plan(cfg.op, a, o);  // device query outside the capture
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    attnres::run(cfg.op, a, o);
+    cuda_ok(cudaStreamEndCapture(stream.get(), &graph), "cudaStreamEndCapture");
+    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    for (int replay = 0; replay < 3; ++replay) cuda_ok(cudaGraphLaunch(exec, stream.get()), "cudaGraphLaunch");
+    stream.sync();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    EXPECT_TRUE(storage_unchanged(eager, mirror.download())) << "graph replay, PDL " << pdl;
+  }
+}
+
+// A token's result depends on neither T, nor its position, nor the block (and lap) that runs it.
+TEST(GpuPersistent, TokenResultIndependentOfBatch) {
+  REQUIRE_HOPPER();
+  Config cfg = make(P, 400, 6, 7168);
+  cfg.seed = test_seed();
+  const Case batch = run_gpu(Case(cfg), Options{});
+  for (int64_t t : {int64_t{0}, int64_t{131}, int64_t{132}, int64_t{265}, int64_t{399}}) {
+    Config one_cfg = cfg;
+    one_cfg.T = 1;
+    Case one(one_cfg);
+    for (int64_t h = 0; h < cfg.H; ++h) {
+      one.layer_residual.at(0, h) = batch.layer_residual.at(t, h);
+      one.add.at(0, h) = batch.add.at(t, h);
+      for (int64_t k = 0; k < cfg.K; ++k) one.bank.at(k, 0, h) = batch.bank.at(k, t, h);
+    }
+    one.res_weight = batch.res_weight;
+    one.rms_weight = batch.rms_weight;
+    one.norm_weight = batch.norm_weight;
+    const Case single = run_gpu(one, Options{});
+    for (int64_t h = 0; h < cfg.H; ++h) {
+      ASSERT_EQ(single.output.at(0, h), batch.output.at(t, h)) << "output, token " << t << " h " << h;
+      ASSERT_EQ(single.updated.at(0, h), batch.updated.at(t, h)) << "updated, token " << t << " h " << h;
+    }
+  }
+}
+
+// prefix + add with subnormal operands and sums: bit for bit PyTorch's bf16 add.
+TEST(GpuPersistent, SubnormalsKept) {
+  REQUIRE_HOPPER();
+  Config cfg = make(P, 200, 2, 128);
+  cfg.seed = test_seed();
+  Case before(cfg);
+  constexpr size_t kPatterns = sizeof kSubnormalSums / sizeof kSubnormalSums[0];
+  int subnormal = 0;
+  for (int64_t t = 0; t < cfg.T; ++t)
+    for (int64_t h = 0; h < cfg.H; h += 2) {
+      const SubnormalSum& s = kSubnormalSums[size_t((t * cfg.H + h) / 2) % kPatterns];
+      before.layer_residual.at(t, h) = s.prefix;
+      before.add.at(t, h) = bf16_add(s.add, s.add2);  // one addend holding the pattern's add + add2
+    }
+  const Case gpu = run_gpu(before, Options{});
+  for (int64_t t = 0; t < cfg.T; ++t)
+    for (int64_t h = 0; h < cfg.H; h += 2) {
+      const SubnormalSum& s = kSubnormalSums[size_t((t * cfg.H + h) / 2) % kPatterns];
+      ASSERT_EQ(gpu.updated.at(t, h), s.expected) << "token " << t << " h " << h;
+      subnormal += bf16_is_subnormal(gpu.updated.at(t, h));
+    }
+  EXPECT_GT(subnormal, 0);
+  expect_gpu_matches_cpu(before, gpu);
+}
+
+// add2 under the persistent topology: the plan says why, the call is refused before anything is written.
+TEST(GpuPersistent, Add2IsDeclinedAndNothingIsWritten) {
+  REQUIRE_HOPPER();
+  Config cfg = make(A, 300, 8, 7168, [](Config& c) { c.add2 = true; });
+  cfg.seed = test_seed();
+  const Case before(cfg);
+  const Options o = persistent_topology();
+  EXPECT_EQ(plan_on_gpu(before, o).decline,
+            "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
+            "layer_residual_add2 and call the one-addend op");
+  Stream stream;
+  DeviceMirror mirror(before);
+  EXPECT_TRUE(contains(error_of<attnres::UnsupportedError>([&] { attnres::run(A, mirror.args(stream.get()), o); }),
+                       "attn_res_add_rmsnorm: the persistent kernel declines layer_residual_add2"));
+  stream.sync();
+  EXPECT_TRUE(storage_unchanged(before, mirror.download()));
 }
 
 #endif  // ATTNRES_WITH_CUDA

@@ -34,6 +34,7 @@ DeviceInfo h200() {
   d.cc_major = 9;
   d.cc_minor = 0;
   d.sm_count = 132;
+  d.shared_memory_per_block_optin = 232448;  // sm_90 opt-in limit (sizes the persistent kernel's ring)
   d.name = "NVIDIA H200";
   return d;
 }

@@ -24,6 +24,13 @@ class PlanInfo:
     threads: int = 0
     max_candidates: int = 0
     pdl: bool = False
+    # persistent kernel: grid, 16-byte vectors per consumer thread, ring slots, passes over each row, and the
+    # dynamic shared memory of a block (0 for the other kernels)
+    blocks: int = 0
+    vectors: int = 0
+    slots: int = 0
+    passes: int = 0
+    smem_bytes: int = 0
 
     @property
     def accepted(self) -> bool:
@@ -54,8 +61,11 @@ def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", ad
     p = _C.plan_query(q, device_info(device), (options or DEFAULT).to_c())
     if not p.accepted:
         return PlanInfo(kernel=None, decline=p.decline)
+    persistent = p.kernel == _C.KernelKind.persistent
     return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
-                    max_candidates=p.max_candidates, pdl=p.pdl)
+                    max_candidates=p.max_candidates, pdl=p.pdl,
+                    **({"blocks": p.blocks, "vectors": p.vectors, "slots": p.slots, "passes": p.passes,
+                        "smem_bytes": p.smem_bytes} if persistent else {}))
 
 
 def backend_info() -> dict:

@@ -146,6 +146,10 @@ NB_MODULE(_C, m) {
       .def_ro("vectors", &Plan::vectors)
       .def_ro("max_candidates", &Plan::max_candidates)
       .def_ro("pdl", &Plan::pdl)
+      .def_ro("blocks", &Plan::blocks)
+      .def_ro("slots", &Plan::slots)
+      .def_ro("passes", &Plan::passes)
+      .def_ro("smem_bytes", &Plan::smem_bytes)
       .def_prop_ro("accepted", &Plan::accepted);
 
   nb::class_<DeviceInfo>(m, "DeviceInfo")
@@ -155,6 +159,7 @@ NB_MODULE(_C, m) {
       .def_ro("cc_major", &DeviceInfo::cc_major)
       .def_ro("cc_minor", &DeviceInfo::cc_minor)
       .def_ro("sm_count", &DeviceInfo::sm_count)
+      .def_ro("shared_memory_per_block_optin", &DeviceInfo::shared_memory_per_block_optin)
       .def_ro("name", &DeviceInfo::name);
 
   m.def("cuda_backend_built", &cuda_backend_built);

@@ -80,6 +80,14 @@ struct Plan {
   int32_t vectors = 1;
   int32_t max_candidates = 0;  // compile-time bucket of N the kernel instance is built for
   bool pdl = false;
+  // persistent: `blocks` blocks (at most one per SM, never more than T) of `threads` threads (consumer warps
+  // + one producer warp; each consumer thread owns `vectors` 16-byte slices of every row), a ring of `slots`
+  // row slots in `smem_bytes` bytes of dynamic shared memory, each row streamed `passes` times (1: a
+  // token's rows stay resident from scoring to mixing; 2: they do not fit, and are streamed again to mix).
+  int32_t blocks = 0;
+  int32_t slots = 0;
+  int32_t passes = 0;
+  int32_t smem_bytes = 0;
 
   bool accepted() const { return decline.empty(); }
 };

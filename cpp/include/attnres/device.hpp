@@ -13,6 +13,7 @@ struct DeviceInfo {
   bool cuda_backend = false;  // this build has the CUDA backend compiled in
   int32_t cc_major = 0, cc_minor = 0;
   int32_t sm_count = 0;
+  int32_t shared_memory_per_block_optin = 0;  // bytes a block may opt into (sizes the persistent kernel's ring)
   std::string name;  // "cpu" or the CUDA device name
 };
 

@@ -24,6 +24,7 @@ DeviceInfo cuda_query_device(int index) {
   info.cc_major = prop.major;
   info.cc_minor = prop.minor;
   info.sm_count = prop.multiProcessorCount;
+  info.shared_memory_per_block_optin = static_cast<int32_t>(prop.sharedMemPerBlockOptin);
   info.name = prop.name;
   return info;
 }

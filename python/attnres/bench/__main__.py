@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import chain, decode, finalize, floors, guard, results, tune
+from . import chain, decode, finalize, floors, guard, persistent, results, tune
 
 
 def _progress_printer():
@@ -30,9 +30,14 @@ def _progress_printer():
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
-    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "guard", "all", "plot"],
-                   help="which sweep to run ('all': floors, decode, tune, finalize, chain); 'chain': the 93-layer "
-                        "Kimi K3 decode step with the MoE-tail fold on vs off (target P6); 'guard': a quick check of "
+    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "persistent", "guard", "all",
+                                     "plot"],
+                   help="which sweep to run ('all': floors, decode, tune, finalize, chain); 'chain': the "
+                        "93-layer Kimi K3 decode step with the MoE-tail fold on vs off (target P6); 'persistent': the "
+                        "persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
+                        "12}, with and without the addend, with the crossover T and target P5 (about 3 minutes on "
+                        "an H200, run on its own: not part of 'all'; --hidden sets H, default 7168); 'guard': a "
+                        "quick check of "
                         "key points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of an "
                         "existing results file (--out) into --plots")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
@@ -40,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "write its measurements, none when omitted)")
     p.add_argument("--commit", default=None, help="commit the numbers belong to (default: git HEAD)")
     p.add_argument("--no-pdl", action="store_true",
-                   help="decode, chain and guard without programmatic dependent launch")
+                   help="decode, chain, persistent and guard without programmatic dependent launch")
     p.add_argument("--repeats", type=int, default=25, help="timed replays per variant (interleaved)")
     p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go")
     c = p.add_argument_group("chain")
@@ -49,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                         "graphs): exercises the code, measures nothing about the fold")
     c.add_argument("--tokens", default=None,
                    help="comma-separated T values (default 1,4,8,32; --quick: 1,32)")
-    c.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168 on cuda, 512 on cpu)")
+    c.add_argument("--hidden", type=int, default=None,
+                   help="hidden size (chain: default 7168 on cuda, 512 on cpu; persistent: default 7168)")
     c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 25 on cpu)")
     c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
     g = p.add_argument_group("guard")
@@ -66,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu" and args.suite != "chain":
         p.error("--device cpu applies to the chain suite only")
+    if args.suite == "persistent" and args.hidden is not None and (
+            args.hidden % 8 or not 8 <= args.hidden <= 16384):
+        p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
     if args.suite == "guard":
         return _guard(args)
     if args.suite == "chain" and args.device == "cpu":
@@ -96,14 +105,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite in ("chain", "all"):
             records += chain.run(tokens=chain_tokens, device="cuda", config=chain_config, pdl=not args.no_pdl,
                                  repeats=args.repeats, progress=progress)
+        if args.suite == "persistent":
+            copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
+            extra.setdefault("floors", {})["copy_tbs"] = copy_tbs
+            records += persistent.run(quick=args.quick, H=args.hidden or persistent.H_DEFAULT,
+                                      pdl=not args.no_pdl, copy_tbs=copy_tbs, progress=progress,
+                                      repeats=args.repeats)
     finally:
         if prog:
             prog.stop()
     results.save(args.out, meta, records, extra)
     print(f"\n{meta['gpu']} commit {meta['commit']}: {len(records)} records -> {args.out}")
     if "floors" in extra:
-        print(f"floors: copy {extra['floors']['copy_tbs']:.2f} TB/s, launch {extra['floors']['launch']['median_us']:.2f} us/node")
+        launch = extra["floors"].get("launch")
+        print(f"floors: copy {extra['floors']['copy_tbs']:.2f} TB/s"
+              + (f", launch {launch['median_us']:.2f} us/node" if launch else ""))
     for line in chain.summary(records):
+        print(line)
+    for line in persistent.summary(records):
         print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")

@@ -1,0 +1,470 @@
+// The persistent attention-residual kernel (sm_90): one block per SM loops over tokens (round-robin), and
+// every candidate row reaches shared memory through a bulk asynchronous copy (cp.async.bulk, completing on
+// an mbarrier with a transaction count) into a ring of row slots. attn_res_rmsnorm and attn_res_add_rmsnorm
+// (one addend) under the persistent topology, and attn_res_add_rmsnorm_persistent, run here.
+//
+// Roles. Warps 0..W-1 consume (W <= 8, persistent_layout.hpp consumer_threads), the last warp produces:
+// its lane 0 streams, token after token, the rows bank[0..K-1], prefix, addend (with the addend) into the
+// ring, each into the next slot once the consumers have released it (empty mbarrier, one arrival per
+// consumer warp); a slot's full mbarrier completes when its bytes have landed.
+//
+// Per token the consumers
+//   1. score every row as it arrives (per thread: sum of squares and dot with q over its own elements, a
+//      butterfly sum in the warp, the warp's pair to shared memory); the prefix row and the addend form
+//      P = bf16(prefix + add) first (add.rn.f32, no flush: ops.md step 1) and `updated` is stored;
+//   2. after one consumer barrier, every warp sums the per-warp pairs in warp order and computes the same
+//      softmax (lane n: candidate n), so the N probabilities need no second barrier;
+//   3. mix row by row, n = 0..K-1 then P (recomputed from the prefix and addend slots: the same bits), as an
+//      fma chain per element in that order, releasing each slot after its row; round the mixture to bf16
+//      once (ops.md step 6);
+//   4. trailing norm in Kimi's two-rounding order (ops.md step 7): the mixture's sum of squares through a
+//      second consumer barrier, then output = bf16(bf16(mixture * r) * norm_weight).
+// The formulas are the per-token kernels' (attn_res_per_token.cuh): rsqrtf(fmaf(ss, 1/H, eps)), __expf of
+// the max-subtracted logit, probabilities times 1/denominator, the N = 1 probability forced to 1, the same
+// rounding boundaries. Only summation orders differ (allowed between kernels, ops.md).
+//
+// Two modes, chosen by the plan from (N, H, shared memory) only and giving identical bits:
+//   * one pass (passes = 1): a token's N (+1) rows stay in their slots from scoring to mixing; the ring has at
+//     least one slot more than a token needs, so the next token streams while this one is mixed and rows are
+//     released one by one as they are mixed;
+//   * two passes (passes = 2, when a token's rows do not fit the ring, e.g. H = 16384, N = 16): each row is
+//     streamed twice, released right after scoring and again after mixing. The second pass reads the same
+//     bytes (from L2 when they are still there) and repeats the same arithmetic, so the results do not change.
+//
+// Determinism: which thread owns an element and every reduction order depend on H only (the plan's consumer
+// count and vector bucket), never on T, on the block that runs the token, on the grid or on the ring depth.
+//
+// PDL: before griddepcontrol.wait the consumers load the weights (into registers, once per block; for H > 8192
+// the norm weight into thread-private shared memory) and the producer may issue copies of the first token's
+// bank rows 0..K-2 (written two or more calls ago) into slots never used yet; it executes the wait before the
+// first copy of a newest bank row K-1, a prefix or an addend, and every consumer waits before it reads a row
+// or stores anything. Dependents are released (griddepcontrol.launch_dependents) after a block-wide
+// barrier that follows every store of the block.
+//
+// Proxy ordering: ring slots are written only by the copy engine (async proxy) and only read by the
+// consumers (generic loads, released through the empty mbarrier's arrive/wait). No generic store ever writes
+// a slot, so no fence.proxy.async is needed before a slot is reused; a change that stores into a slot must
+// add fence.proxy.async.shared::cta before its release. The mbarrier initialisation is published to the
+// async proxy with fence.mbarrier_init before the first copy.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/device_utils.cuh"
+#include "persistent_layout.hpp"
+
+namespace attnres::detail {
+
+struct PersistentParams {
+  const __nv_bfloat16* layer_residual;
+  const __nv_bfloat16* add;  // nullptr without an addend
+  const __nv_bfloat16* bank;
+  const __nv_bfloat16* res_weight;
+  const __nv_bfloat16* rms_weight;
+  const __nv_bfloat16* norm_weight;
+  __nv_bfloat16* output;
+  __nv_bfloat16* updated;  // nullptr without an addend
+  int64_t lr_stride, add_stride, bank_snapshot_stride, bank_token_stride, output_stride, updated_stride;
+  int32_t tokens;     // T
+  int32_t snapshots;  // K (N = K + 1)
+  int32_t vectors;    // H / 8
+  int32_t consumers;  // consumer threads (a multiple of 32, <= 256)
+  int32_t slots;      // ring depth
+  int32_t passes;     // 1 or 2
+  uint32_t row_bytes;   // 2H
+  uint32_t slot_bytes;  // persistent::slot_bytes(H)
+  uint32_t ring_offset; // persistent::ring_offset(slots)
+  float inv_hidden;
+  float rms_eps, norm_eps;
+};
+
+// ---- PTX helpers of this kernel (the shared ones live in device_utils.cuh) ----
+// Whether the phase of parity `parity` of a CTA-local mbarrier has completed (try_wait may suspend the thread
+// for a while first). CTA scope (acquire.cta, the default): device_utils.cuh's mbarrier_wait_parity acquires
+// at cluster scope for split_k's exchanges, which compiles to an L1 invalidation (CCTL.IVALL) after every
+// successful wait, once per row here.
+__device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Every wait of this kernel is on data already in flight or on another warp of the same block that is not
+// waiting on anything outside the block (the grid dependency is resolved before the first wait that could
+// depend on it): none legitimately lasts more than microseconds. One that has not completed after
+// kWatchdogNs means the ring protocol is broken; the kernel traps (the launch fails with an error the caller
+// sees) instead of hanging the stream forever. The clock is read only once a wait has failed.
+constexpr uint64_t kWatchdogNs = 10ull * 1000 * 1000 * 1000;
+__device__ __forceinline__ void wait_parity(uint32_t bar, uint32_t parity) {
+  if (try_wait_parity(bar, parity)) return;
+  const uint64_t start = global_timer_ns();
+  while (!try_wait_parity(bar, parity))
+    if (global_timer_ns() - start > kWatchdogNs) __trap();
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Global -> shared bulk copy completing `bytes` on `bar` (16-byte aligned addresses, size a multiple of 16:
+// validate.cpp enforces 16-byte aligned rows on CUDA and H % 8 == 0 makes 2H a multiple of 16). A lone CTA is
+// a cluster of one, so its shared::cta addresses are valid shared::cluster addresses.
+__device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// Barrier 1 among the consumer warps only (the producer warp never waits on it).
+__device__ __forceinline__ void consumer_barrier(int consumers) {
+  asm volatile("bar.sync 1, %0;" ::"r"(consumers) : "memory");
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// Position in the ring: slot and the parity of the ring's pass it is in.
+struct RingCursor {
+  uint32_t slot = 0, phase = 0;
+  __device__ __forceinline__ void advance(uint32_t slots) {
+    if (++slot == slots) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  }
+};
+
+// The producer warp: streams the rows of every token of this block (twice per token in two-pass mode).
+__device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has_add, uint32_t full0, uint32_t empty0,
+                                             uint32_t ring, int lane) {
+  const int K = p.snapshots, rows = K + 1 + (has_add ? 1 : 0);
+  RingCursor cur;
+  bool waited = false;
+  int issued = 0;  // before the wait: copies issued, all into slots never used yet
+  for (int t = blockIdx.x; t < p.tokens; t += gridDim.x) {
+    for (int pass = 0; pass < p.passes; ++pass) {
+      for (int r = 0; r < rows; ++r) {
+        const __nv_bfloat16* src =
+            r < K ? p.bank + t * p.bank_token_stride + r * p.bank_snapshot_stride
+                  : (r == K ? p.layer_residual + t * p.lr_stride : p.add + t * p.add_stride);
+        // Bank rows 0..K-2 may be read before the grid dependency resolves; the newest row K-1 (the previous
+        // call may have written it as its snapshot), the prefix and the addend only after. Before it, only
+        // into fresh slots: a wait for a released slot would wait on consumers that are themselves waiting
+        // for the dependency (and the watchdog below counts on no wait depending on it).
+        if (!waited && (r >= K - 1 || issued == p.slots)) {
+          grid_dependency_wait();
+          waited = true;
+        }
+        ++issued;
+        wait_parity(empty0 + 8 * cur.slot, cur.phase ^ 1u);  // a fresh barrier passes parity 1
+        if (lane == 0) {
+          const uint32_t full = full0 + 8 * cur.slot;
+          mbarrier_expect_tx(full, p.row_bytes);
+          bulk_copy_to_shared(ring + cur.slot * p.slot_bytes, src, p.row_bytes, full);
+        }
+        __syncwarp();
+        cur.advance(static_cast<uint32_t>(p.slots));
+      }
+    }
+  }
+  if (!waited) grid_dependency_wait();
+}
+
+// P for this thread's vector: the prefix, or bf16(prefix + add) through a non-flushing fp32 add.
+template <bool ADD>
+__device__ __forceinline__ uint4 prefix_vector(const unsigned char* prefix_row, const unsigned char* add_row,
+                                               uint32_t offset) {
+  const uint4 pre = *reinterpret_cast<const uint4*>(prefix_row + offset);
+  if constexpr (!ADD) {
+    return pre;
+  } else {
+    const uint4 add = *reinterpret_cast<const uint4*>(add_row + offset);
+    float a[8], b[8];
+    unpack8(pre, a);
+    unpack8(add, b);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a[e] = add_rn_keep_subnormals(a[e], b[e]);
+    return pack8(a);
+  }
+}
+
+// One vector's (sum of squares, dot with q): fma chains over its 8 elements in order. The thread's V vectors
+// get chains of their own (summed in j order afterwards): V independent chains instead of one 8V long, which
+// is the latency a row's scoring costs.
+__device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], float& ss, float& dot) {
+  float f[8];
+  unpack8(x, f);
+  ss = 0.0f;
+  dot = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ss = fmaf(f[e], f[e], ss);
+    dot = fmaf(f[e], q[e], dot);
+  }
+}
+
+// V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`).
+template <int V, bool ADD>
+__global__ void __launch_bounds__(persistent::kMaxThreads, 1)
+    attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* const partials = reinterpret_cast<float*>(smem + persistent::kPartialsOffset);  // [n][warp][2]
+  float* const mix_squares = reinterpret_cast<float*>(smem + persistent::kMixSquaresOffset);  // [warp]
+  const uint32_t full0 = shared_address(smem + persistent::kBarriersOffset);
+  const uint32_t empty0 = full0 + 8u * static_cast<uint32_t>(p.slots);
+  const uint32_t ring = shared_address(smem + p.ring_offset);
+  const unsigned char* const ring_ptr = smem + p.ring_offset;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int C = p.consumers, consumer_warps = C >> 5;
+  const int K = p.snapshots, N = K + 1;
+  const uint32_t S = static_cast<uint32_t>(p.slots);
+  const bool two_pass = p.passes == 2;
+  // The V = 8 instance (H > 8192) keeps the norm weight in shared memory: with it in registers too, the 9-warp
+  // block's register cap (168: three warps share a quarter of the register file) spilled.
+  constexpr bool kNormInRegisters = !persistent::norm_weight_in_shared(V);
+
+  if (tid == 0) {
+    for (uint32_t s = 0; s < S; ++s) {
+      mbarrier_init(full0 + 8 * s, 1);                                         // the producer's expect_tx arrive
+      mbarrier_init(empty0 + 8 * s, static_cast<uint32_t>(consumer_warps));  // one arrive per consumer warp
+    }
+    fence_mbarrier_init_cluster();  // the initialisation is visible to the copy engine (async proxy)
+  }
+  __syncthreads();
+
+  if (warp == consumer_warps) {
+    produce_rows(p, ADD, full0, empty0, ring, lane);
+  } else if (warp < consumer_warps) {
+    // ---- once per block, before the grid dependency: q = rms_weight * res_weight (fp32, never rounded) and
+    // the norm weight, for this thread's vectors v = tid + j * C ----
+    // Vector j of this thread: index tid + j * C, byte offset in a row `offset(j)`, present when `valid(j)`
+    // (recomputed rather than kept: registers are the scarce resource of the V = 8 instance).
+    const auto valid = [&](int j) { return tid + j * C < p.vectors; };
+    const auto offset = [&](int j) { return static_cast<uint32_t>(tid + j * C) * 16u; };
+    float q[V][8];
+    uint4 norm_w[kNormInRegisters ? V : 1];
+    unsigned char* const norm_smem = smem + persistent::norm_weight_offset(S);  // V = 8: thread-private
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int64_t col = valid(j) ? static_cast<int64_t>(tid + j * C) * 8 : 0;
+      const uint4 res = load16_if(p.res_weight + col, valid(j));
+      const uint4 rms = load16_if(p.rms_weight + col, valid(j));
+      const uint4 nw = load16_if(p.norm_weight + col, valid(j));
+      if constexpr (kNormInRegisters) {
+        norm_w[j] = nw;
+      } else {
+        // Only this thread ever reads these 16 bytes back: no barrier, and never a ring slot.
+        if (valid(j)) *reinterpret_cast<uint4*>(norm_smem + offset(j)) = nw;
+      }
+      float a[8], b[8];
+      unpack8(res, a);
+      unpack8(rms, b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[j][e] = b[e] * a[e];
+    }
+    grid_dependency_wait();
+
+    RingCursor cur;
+    for (int t = blockIdx.x; t < p.tokens; t += gridDim.x) {
+      const RingCursor first = cur;  // the token's first row (one pass: also where mixing starts)
+
+      // ---- 1. scores, row by row as the rows land ----
+      for (int n = 0; n < K; ++n) {
+        wait_parity(full0 + 8 * cur.slot, cur.phase);
+        const unsigned char* row = ring_ptr + cur.slot * p.slot_bytes;
+        float ssj[V], dotj[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const uint4 x = valid(j) ? *reinterpret_cast<const uint4*>(row + offset(j)) : make_uint4(0, 0, 0, 0);
+          vector_scores(x, q[j], ssj[j], dotj[j]);
+        }
+        float ss = ssj[0], dot = dotj[0];
+#pragma unroll
+        for (int j = 1; j < V; ++j) {
+          ss += ssj[j];
+          dot += dotj[j];
+        }
+        ss = warp_sum(ss);
+        dot = warp_sum(dot);
+        if (lane == 0) {
+          partials[(n * persistent::kMaxConsumerWarps + warp) * 2] = ss;
+          partials[(n * persistent::kMaxConsumerWarps + warp) * 2 + 1] = dot;
+        }
+        if (two_pass) {
+          __syncwarp();
+          if (lane == 0) mbarrier_arrive(empty0 + 8 * cur.slot);
+        }
+        cur.advance(S);
+      }
+      {
+        const RingCursor pre = cur;
+        cur.advance(S);
+        RingCursor add = pre;
+        if constexpr (ADD) {
+          add = cur;
+          cur.advance(S);
+        }
+        wait_parity(full0 + 8 * pre.slot, pre.phase);
+        if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
+        const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
+        const unsigned char* add_row = ring_ptr + add.slot * p.slot_bytes;
+        float ssj[V], dotj[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          const uint4 P = valid(j) ? prefix_vector<ADD>(pre_row, add_row, offset(j)) : make_uint4(0, 0, 0, 0);
+          if constexpr (ADD) {
+            if (valid(j)) store16(p.updated + t * p.updated_stride + offset(j) / 2, P);
+          }
+          vector_scores(P, q[j], ssj[j], dotj[j]);  // the same code as a bank row's: only P's value differs
+        }
+        float ss = ssj[0], dot = dotj[0];
+#pragma unroll
+        for (int j = 1; j < V; ++j) {
+          ss += ssj[j];
+          dot += dotj[j];
+        }
+        ss = warp_sum(ss);
+        dot = warp_sum(dot);
+        if (lane == 0) {
+          partials[(K * persistent::kMaxConsumerWarps + warp) * 2] = ss;
+          partials[(K * persistent::kMaxConsumerWarps + warp) * 2 + 1] = dot;
+        }
+        if (two_pass) {
+          __syncwarp();
+          if (lane == 0) {
+            mbarrier_arrive(empty0 + 8 * pre.slot);
+            if constexpr (ADD) mbarrier_arrive(empty0 + 8 * add.slot);
+          }
+        }
+      }
+      consumer_barrier(C);
+
+      // ---- 2. softmax, computed identically by every consumer warp; lane n holds candidate n ----
+      float prob;
+      {
+        float ss = 1.0f, dot = 0.0f;
+        if (lane < N) {
+          ss = 0.0f;
+          for (int w = 0; w < consumer_warps; ++w) {  // warps in order: a fixed sum
+            ss += partials[(lane * persistent::kMaxConsumerWarps + w) * 2];
+            dot += partials[(lane * persistent::kMaxConsumerWarps + w) * 2 + 1];
+          }
+        }
+        const float rsigma = rsqrtf(fmaf(ss, p.inv_hidden, p.rms_eps));
+        const float logit = lane < N ? rsigma * dot : -INFINITY;
+        const float max_logit = warp_max(logit);
+        // Past N the probability is 0 by selection, not by exp(-inf - max) (NaN when no logit is finite).
+        const float e = lane < N ? __expf(logit - max_logit) : 0.0f;
+        const float denom = warp_sum(e);
+        // Selected again after the normalisation: lanes past N stay 0 even when the denominator is NaN.
+        prob = lane < N ? e * (1.0f / denom) : 0.0f;
+        // N = 1: the mixture is P itself (ops.md step 6), also when its logit is not finite.
+        if (N == 1) prob = lane == 0 ? 1.0f : 0.0f;
+      }
+
+      // ---- 3. the mixture, row by row, each slot released once its row is mixed ----
+      float acc[V][8];
+#pragma unroll
+      for (int j = 0; j < V; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
+      RingCursor mix = two_pass ? cur : first;
+      for (int n = 0; n < K; ++n) {
+        if (two_pass) wait_parity(full0 + 8 * mix.slot, mix.phase);
+        const float pn = __shfl_sync(0xffffffffu, prob, n);
+        const unsigned char* row = ring_ptr + mix.slot * p.slot_bytes;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          float x[8];
+          unpack8(valid(j) ? *reinterpret_cast<const uint4*>(row + offset(j)) : make_uint4(0, 0, 0, 0), x);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pn, x[e], acc[j][e]);
+        }
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(empty0 + 8 * mix.slot);
+        mix.advance(S);
+      }
+      {
+        const RingCursor pre = mix;
+        mix.advance(S);
+        RingCursor add = pre;
+        if constexpr (ADD) {
+          add = mix;
+          mix.advance(S);
+        }
+        if (two_pass) {
+          wait_parity(full0 + 8 * pre.slot, pre.phase);
+          if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
+        }
+        const float pK = __shfl_sync(0xffffffffu, prob, K);
+        const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
+        const unsigned char* add_row = ring_ptr + add.slot * p.slot_bytes;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          float x[8];
+          unpack8(valid(j) ? prefix_vector<ADD>(pre_row, add_row, offset(j)) : make_uint4(0, 0, 0, 0), x);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pK, x[e], acc[j][e]);
+        }
+        __syncwarp();
+        if (lane == 0) {
+          mbarrier_arrive(empty0 + 8 * pre.slot);
+          if constexpr (ADD) mbarrier_arrive(empty0 + 8 * add.slot);
+        }
+      }
+      if (two_pass) cur = mix;
+
+      // ---- 4. trailing RMSNorm, two roundings ----
+      uint4 mixed[V];
+      float sq = 0.0f;
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        mixed[j] = pack8(acc[j]);  // the mixture's one rounding to bf16
+        float m[8];
+        unpack8(mixed[j], m);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sq = fmaf(m[e], m[e], sq);  // invalid vectors: +0 (acc stayed 0)
+      }
+      sq = warp_sum(sq);
+      if (lane == 0) mix_squares[warp] = sq;
+      consumer_barrier(C);
+      float total = 0.0f;
+      for (int w = 0; w < consumer_warps; ++w) total += mix_squares[w];
+      const float r = rsqrtf(fmaf(total, p.inv_hidden, p.norm_eps));
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        if (!valid(j)) continue;
+        float m[8], w[8], o[8];
+        unpack8(mixed[j], m);
+        if constexpr (kNormInRegisters) {
+          unpack8(norm_w[j], w);
+        } else {
+          unpack8(*reinterpret_cast<const uint4*>(norm_smem + offset(j)), w);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = round_bf16(m[e] * r) * w[e];
+        store16(p.output + t * p.output_stride + offset(j) / 2, pack8(o));
+      }
+    }
+  }
+
+  // ---- release dependents after every store of the block ----
+  __syncthreads();
+  launch_dependents();
+}
+
+}  // namespace attnres::detail

@@ -1,0 +1,142 @@
+// Launcher of the persistent kernel: maps validated arguments and the plan (ring depth, passes, consumer
+// threads, vector bucket, grid) onto one kernel instance and launches it on the caller's stream with
+// cudaLaunchKernelEx (the PDL attribute when enabled). No allocation, no synchronisation, configuration
+// from shapes and the device only: capturable in CUDA graphs.
+#include <cuda_runtime.h>
+
+#include <atomic>
+
+#include "backend.hpp"
+#include "cuda/attn_res_persistent.cuh"
+#include "cuda/cuda_check.cuh"
+#include "persistent_layout.hpp"
+
+namespace attnres::detail {
+
+namespace {
+
+using PersistentFn = void (*)(PersistentParams);
+
+template <bool ADD>
+PersistentFn by_vectors(int vectors) {
+  switch (vectors) {
+    case 1: return attn_res_persistent_kernel<1, ADD>;
+    case 2: return attn_res_persistent_kernel<2, ADD>;
+    case 4: return attn_res_persistent_kernel<4, ADD>;
+    case 8: return attn_res_persistent_kernel<8, ADD>;
+    default: return nullptr;
+  }
+}
+
+// The dynamic shared memory above 48 KB must be opted into per kernel and device. Done once per (instance,
+// device) at the device's full opt-in size (one value, so two threads racing here set the same thing), so
+// every later launch of that instance fits whatever ring the plan sizes. cudaFuncSetAttribute is neither a
+// stream operation nor a synchronisation: it is legal while a CUDA graph is being captured
+// (tests/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
+constexpr int kMaxDevices = 64;
+constexpr int kInstances = 8;  // 4 vector buckets x (add, no add)
+
+int instance_index(int vectors, bool add) {
+  const int bucket = vectors == 1 ? 0 : vectors == 2 ? 1 : vectors == 4 ? 2 : 3;
+  return bucket * 2 + (add ? 1 : 0);
+}
+
+void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes) {
+  static std::atomic<bool> done[kMaxDevices][kInstances] = {};
+  std::atomic<bool>* flag = device >= 0 && device < kMaxDevices ? &done[device][instance] : nullptr;
+  if (flag && flag->load(std::memory_order_acquire)) return;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_optin_bytes),
+             "cudaFuncSetAttribute(persistent kernel, MaxDynamicSharedMemorySize)");
+  if (flag) flag->store(true, std::memory_order_release);
+}
+
+template <typename T>
+T* ptr(const TensorRef& t) {
+  return t.present() ? static_cast<T*>(t.data) : nullptr;
+}
+
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
+    else previous_ = -1;
+  }
+  ~DeviceGuard() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace
+
+void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
+  const bool add = a.layer_residual_add.present();
+  const PersistentFn kernel = add ? by_vectors<true>(plan.vectors) : by_vectors<false>(plan.vectors);
+  const int64_t H = a.layer_residual.shape[1];
+  const int32_t consumers = plan.threads - persistent::kProducerThreads;
+  // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
+  if (kernel == nullptr || a.layer_residual_add2.present() || plan.slots < 1 || plan.passes < 1 ||
+      plan.passes > 2 || plan.blocks < 1 || consumers % 32 != 0 || consumers < 32 ||
+      consumers > persistent::kMaxConsumerWarps * 32 || static_cast<int64_t>(consumers) * plan.vectors * 8 < H ||
+      plan.smem_bytes != persistent::smem_bytes(plan.slots, H))
+    throw UnsupportedError(std::string(op_name(op)) + ": no persistent kernel instance for the plan (vectors " +
+                           std::to_string(plan.vectors) + ", threads " + std::to_string(plan.threads) +
+                           ", slots " + std::to_string(plan.slots) + ", passes " + std::to_string(plan.passes) + ")");
+
+  PersistentParams p{};
+  p.layer_residual = ptr<const __nv_bfloat16>(a.layer_residual);
+  p.add = ptr<const __nv_bfloat16>(a.layer_residual_add);
+  p.bank = ptr<const __nv_bfloat16>(a.block_residual);
+  p.res_weight = ptr<const __nv_bfloat16>(a.res_weight);
+  p.rms_weight = ptr<const __nv_bfloat16>(a.rms_weight);
+  p.norm_weight = ptr<const __nv_bfloat16>(a.norm_weight);
+  p.output = ptr<__nv_bfloat16>(a.output);
+  p.updated = ptr<__nv_bfloat16>(a.updated);
+  p.lr_stride = a.layer_residual.strides[0];
+  p.add_stride = add ? a.layer_residual_add.strides[0] : 0;
+  p.bank_snapshot_stride = a.block_residual.strides[0];
+  p.bank_token_stride = a.block_residual.strides[1];
+  p.output_stride = a.output.strides[0];
+  p.updated_stride = a.updated.present() ? a.updated.strides[0] : 0;
+  p.tokens = static_cast<int32_t>(a.layer_residual.shape[0]);
+  p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
+  p.vectors = static_cast<int32_t>(H / 8);
+  p.consumers = consumers;
+  p.slots = plan.slots;
+  p.passes = plan.passes;
+  p.row_bytes = static_cast<uint32_t>(2 * H);
+  p.slot_bytes = static_cast<uint32_t>(persistent::slot_bytes(H));
+  p.ring_offset = static_cast<uint32_t>(persistent::ring_offset(plan.slots, H));
+  p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
+  p.rms_eps = static_cast<float>(a.rms_eps);
+  p.norm_eps = static_cast<float>(a.norm_eps);
+
+  const int device = a.layer_residual.device.index;
+  DeviceGuard guard(device);
+  const int optin = query_device(a.layer_residual.device).shared_memory_per_block_optin;  // cached
+  if (plan.smem_bytes > optin)
+    throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.smem_bytes) +
+                           " bytes of shared memory exceed the device's " + std::to_string(optin));
+  opt_into_shared_memory(kernel, instance_index(plan.vectors, add), device, optin);
+
+  cudaLaunchAttribute attrs[1];
+  unsigned n_attrs = 0;
+  if (plan.pdl) {
+    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[n_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attrs;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(plan.blocks), 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(plan.threads), 1, 1);
+  config.dynamicSmemBytes = static_cast<size_t>(plan.smem_bytes);
+  config.stream = static_cast<cudaStream_t>(a.stream);
+  config.attrs = attrs;
+  config.numAttrs = n_attrs;
+  cuda_check(cudaLaunchKernelEx(&config, kernel, p), "attn_res persistent kernel launch");
+}
+
+}  // namespace attnres::detail

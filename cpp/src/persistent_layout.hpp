@@ -1,0 +1,63 @@
+// Shared-memory layout of the persistent kernel, in one place for the plan (which sizes the ring from the
+// device's shared-memory budget), the launcher and the kernel (which take the offsets from here).
+//
+//   [0, 1024)              per consumer warp and candidate: (sum of squares, dot with q)   [16][8][2] fp32
+//   [1024, 1088)           per consumer warp: the mixture's sum of squares                 [8] fp32 (+ pad)
+//   [1088, 1088 + 16 S)    the ring's mbarriers: full[S], then empty[S]                     8 bytes each
+//   [norm_weight_offset)   H > 8192 only: the norm weight, bf16 (each thread's own vectors)  slot_bytes
+//   [ring_offset, ...)     S row slots of slot_bytes each (128-byte aligned)
+//
+// constexpr functions: usable from host code (plan.cpp, no CUDA) and device code alike.
+#pragma once
+
+#include <cstdint>
+
+namespace attnres::persistent {
+
+constexpr int32_t kMaxCandidates = 16;      // the ops' N limit (attn_res.hpp kMaxCandidates)
+constexpr int32_t kMaxConsumerWarps = 8;    // 256 consumer threads
+constexpr int32_t kProducerThreads = 32;    // one producer warp
+constexpr int32_t kMaxThreads = kMaxConsumerWarps * 32 + kProducerThreads;
+constexpr int32_t kMaxSlots = 64;
+
+constexpr int64_t kPartialsOffset = 0;
+constexpr int64_t kPartialsBytes = int64_t{kMaxCandidates} * kMaxConsumerWarps * 2 * 4;
+constexpr int64_t kMixSquaresOffset = kPartialsOffset + kPartialsBytes;
+constexpr int64_t kMixSquaresBytes = 64;
+constexpr int64_t kBarriersOffset = kMixSquaresOffset + kMixSquaresBytes;
+constexpr int64_t kSlotAlign = 128;
+
+constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// 16-byte vectors per consumer thread (a compile-time bucket of the kernel), and consumer threads: the
+// fewest whole warps (<= 8) that cover the row's H / 8 vectors with `vectors` each. A function of H only:
+// the thread that owns an element, hence every reduction order, never depends on T or on the grid.
+constexpr int32_t vectors_per_thread(int64_t hidden) {
+  const int64_t vecs = hidden / 8;
+  return vecs <= 256 ? 1 : vecs <= 512 ? 2 : vecs <= 1024 ? 4 : 8;
+}
+constexpr int32_t consumer_threads(int64_t hidden) {
+  const int64_t vecs = hidden / 8, per = vectors_per_thread(hidden);
+  return static_cast<int32_t>(round_up((vecs + per - 1) / per, 32));
+}
+// The 8-vector bucket keeps the norm weight in shared memory (registers: see the kernel).
+constexpr bool norm_weight_in_shared(int32_t vectors) { return vectors == 8; }
+
+// One slot holds one candidate row (2H bytes), padded so every slot starts 128-byte aligned.
+constexpr int64_t slot_bytes(int64_t hidden) { return round_up(2 * hidden, kSlotAlign); }
+constexpr int64_t norm_weight_offset(int64_t slots) { return round_up(kBarriersOffset + 16 * slots, kSlotAlign); }
+constexpr int64_t ring_offset(int64_t slots, int64_t hidden) {
+  return norm_weight_offset(slots) + (norm_weight_in_shared(vectors_per_thread(hidden)) ? slot_bytes(hidden) : 0);
+}
+constexpr int64_t smem_bytes(int64_t slots, int64_t hidden) {
+  return ring_offset(slots, hidden) + slots * slot_bytes(hidden);
+}
+
+// The most slots (<= kMaxSlots) whose layout fits `budget` bytes; 0 when not even one does.
+constexpr int32_t max_slots(int64_t budget, int64_t hidden) {
+  for (int32_t s = kMaxSlots; s >= 1; --s)
+    if (smem_bytes(s, hidden) <= budget) return s;
+  return 0;
+}
+
+}  // namespace attnres::persistent
