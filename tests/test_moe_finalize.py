@@ -323,15 +323,17 @@ def _valid(device="cpu", **kw) -> Case:
     return make_case(3, 4, 64, seed=31, device=device, shared=True, norm=True, **kw)
 
 
+def sub(**changes):
+    """A rule's arguments: those of a valid case with `changes` applied (a callable change gets the case)."""
+    def f(c: Case):
+        args = dict(rows=c.rows, weights=c.weights, index=c.index, **c.kwargs())
+        args.update({k: (v(c) if callable(v) else v) for k, v in changes.items()})
+        return args
+    return f
+
+
 # (id, function of a valid case -> (rows, weights, index, kwargs), expected message)
 def _public_rejections():
-    def sub(**changes):
-        def f(c: Case):
-            args = dict(rows=c.rows, weights=c.weights, index=c.index, **c.kwargs())
-            args.update({k: (v(c) if callable(v) else v) for k, v in changes.items()})
-            return args
-        return f
-
     return [
         ("flat_index", sub(index=lambda c: c.index.reshape(-1)),
          "moe_finalize: index must be a 2-D [T, k] tensor, got a flat map of shape [12] (reshape it to [T, k])"),
@@ -407,6 +409,17 @@ def test_rejections_public(rule, device):
     with pytest.raises(attnres.ArgumentError) as err:
         attnres.moe_finalize(**args)
     assert str(err.value).startswith(message), str(err.value)
+    case.assert_unchanged(before)
+
+
+def test_unknown_kernel(device):
+    """The Python-level option check: a ValueError before the library is called."""
+    case = _valid(device)
+    before = case.snapshot()
+    with pytest.raises(ValueError) as err:
+        run(case, kernel="fast")
+    assert str(err.value).startswith("moe_finalize: kernel must be one of ('auto', 'cpu', 'single_cta'), "
+                                     "got 'fast'"), str(err.value)
     case.assert_unchanged(before)
 
 
@@ -503,6 +516,11 @@ def _raw_rejections():
          "moe_finalize: output overlaps norm_weight (the output must not alias an input)"),
         ("null_rows", lambda c, o, k: raw_args(_C.TensorRef(0, _C.DType.bf16, _C.DeviceType.cpu, 0, [R, 64], [64, 1]),
                                                c.weights, c.index, output=o), "moe_finalize: rows has a null data pointer"),
+        ("null_weights", lambda c, o, k: raw_args(c.rows, _C.TensorRef(0, _C.DType.f32, _C.DeviceType.cpu, 0, [3, 4], [4, 1]),
+                                                  c.index, output=o), "moe_finalize: weights has a null data pointer"),
+        ("null_index", lambda c, o, k: raw_args(c.rows, c.weights, _C.TensorRef(0, _C.DType.i32, _C.DeviceType.cpu, 0,
+                                                                                [3, 4], [4, 1]), output=o),
+         "moe_finalize: index has a null data pointer"),
         ("negative_stride", lambda c, o, k: raw_args(fake_ref(c.rows, offset_bytes=128 * (R - 1), strides=[-64, 1]),
                                                      c.weights, c.index, output=o),
          "moe_finalize: rows has a negative stride [-64, 1]"),
@@ -733,6 +751,34 @@ def test_helper_raises_malformed_inputs_on_both_paths(rule, max_tokens, device):
     assert str(helper_err.value).startswith(message), str(helper_err.value)
     assert str(op_err.value).startswith(message), str(op_err.value)
     assert record == []  # nothing was decided: the call raised first
+
+
+# The helper's own well-formedness rules: its unfused path reads dtypes and shapes the fused op rejects with
+# other messages (PUBLIC_REJECTIONS), so it checks these itself, before choosing a path.
+HELPER_REJECTIONS = [
+    ("no_routes", sub(index=lambda c: c.index[:, :0], weights=lambda c: c.weights[:, :0]),
+     "moe_finalize: index holds k = 0 routes per token: k must be >= 1 (the fused op: in [1, 32])"),
+    ("rows_int16", sub(rows=lambda c: c.rows.to(torch.int16)),
+     "moe_finalize: rows must hold D >= 1 floating-point columns, got int16 [20, 64]"),
+    ("shared_f32", sub(shared=lambda c: c.shared.float()),
+     "moe_finalize: shared must be bfloat16 (the dtype of rows), got float32"),
+    ("norm_weight_f32", sub(norm_weight=lambda c: c.norm_weight.float()),
+     "moe_finalize: norm_weight must be bfloat16 (the dtype of rows), got float32"),
+]
+
+
+@pytest.mark.parametrize("rule", HELPER_REJECTIONS, ids=[r[0] for r in HELPER_REJECTIONS])
+@pytest.mark.parametrize("max_tokens", [16, 0], ids=["gate_open", "gate_closed"])
+def test_helper_rejections_of_its_own(rule, max_tokens, device):
+    _, mutate, message = rule
+    case = _valid(device)
+    args = mutate(case)
+    before = case.snapshot()
+    with moe.record_finalize_decisions() as record, pytest.raises(attnres.ArgumentError) as err:
+        moe.finalize_moe_output(**args, max_tokens=max_tokens)
+    assert str(err.value).startswith(message), str(err.value)
+    assert record == []  # raised before any decision
+    case.assert_unchanged(before)
 
 
 @pytest.mark.parametrize("max_tokens", [16, 0], ids=["gate_open", "gate_closed"])

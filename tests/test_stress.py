@@ -48,14 +48,14 @@ def test_specs_are_reproducible_from_seed_and_index():
 
 
 def _corrupting(monkeypatch, corrupt):
-    real = stress.device_call
+    real = stress.calls.device_call
 
     def device_call(s, call):
         out = real(s, call)
         corrupt(s, call, out)
         return out
 
-    monkeypatch.setattr(stress, "device_call", device_call)
+    monkeypatch.setattr(stress.calls, "device_call", device_call)
 
 
 def test_checker_catches_one_flipped_bit_in_an_exact_output(monkeypatch):
@@ -100,7 +100,7 @@ def test_checker_catches_an_input_written_by_the_call(monkeypatch):
 def test_oracle_check_catches_what_both_backends_share(monkeypatch):
     """On the CPU the device call and the reference are the same backend: the float64 oracle is what would see
     a wrong result they agree on (here: both calls' output scaled)."""
-    real = stress.run_op
+    real = stress.calls.run_op
 
     def run_op(s, v, options):
         out = real(s, v, options)
@@ -109,7 +109,7 @@ def test_oracle_check_catches_what_both_backends_share(monkeypatch):
                 out[name] = (out[name].float() * 1.02).to(out[name].dtype)
         return out
 
-    monkeypatch.setattr(stress, "run_op", run_op)
+    monkeypatch.setattr(stress.calls, "run_op", run_op)
     summary = stress.run_calls(20, device="cpu", seed=5, workers=2, quiet=True)
     assert summary["mismatches"] == 0 and summary["oracle_mismatches"] == summary["calls"] == 20
 
