@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import attnres
+from attnres.graphs import capture
 from conftest import requires_cuda
 from helpers import assert_same_bits, kernel_options, make_inputs
 
@@ -99,21 +100,6 @@ def _poison(tensors):
         t.fill_(NAN)
 
 
-def _capture(fn):
-    """Warm up on a side stream (lazy initialisation stays out of the graph), then capture fn once."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("T,N,H", SHAPES)
 def test_graph_replay_equals_eager(variant, T, N, H):
@@ -121,7 +107,7 @@ def test_graph_replay_equals_eager(variant, T, N, H):
     for kernel, opts in runs:
         inp = make_inputs(T, N, H, layout="token_major", addends=2, seed=T * N, device="cuda", spare_rows=2)
         fn = VARIANTS[variant][2]
-        graph, captured = _capture(lambda: fn(inp, opts))
+        graph, captured = capture(lambda: fn(inp, opts))
         for seed in (101, 202):
             _refill(inp, seed)
             _poison(captured)
@@ -185,7 +171,7 @@ def test_pdl_chained_calls_equal_settled_calls(T, N, H):
             torch.cuda.synchronize()
             for i, (c, s) in enumerate(zip(chained, settled)):
                 assert_same_bits(c, s, f"kernel={kernel} attempt {attempt}: chained output #{i} vs settled")
-        graph, captured = _capture(lambda: _chain(inp, addends, opts, links, settle=False))
+        graph, captured = capture(lambda: _chain(inp, addends, opts, links, settle=False))
         _poison(captured)
         graph.replay()
         torch.cuda.synchronize()

@@ -7,6 +7,7 @@
 #include "backend.hpp"
 #include "cuda/attn_res_per_token.cuh"
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch_utils.hpp"
 #include "layout.hpp"
 
 namespace attnres::detail {
@@ -46,28 +47,24 @@ KernelFn by_mode(Mode mode, int max_candidates) {
   return nullptr;
 }
 
-template <typename T>
-T* ptr(const TensorRef& t) {
-  return t.present() ? static_cast<T*>(t.data) : nullptr;
-}
 
 PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
   PerTokenParams p{};
   const int64_t H = a.layer_residual.shape[1];
-  p.layer_residual = ptr<const __nv_bfloat16>(a.layer_residual);
-  p.add = ptr<const __nv_bfloat16>(a.layer_residual_add);
-  p.add2 = ptr<const __nv_bfloat16>(a.layer_residual_add2);
-  p.bank = ptr<const __nv_bfloat16>(a.block_residual);
-  p.res_weight = ptr<const __nv_bfloat16>(a.res_weight);
-  p.rms_weight = ptr<const __nv_bfloat16>(a.rms_weight);
-  p.norm_weight = ptr<const __nv_bfloat16>(a.norm_weight);
-  p.output = ptr<__nv_bfloat16>(a.output);
-  p.updated = ptr<__nv_bfloat16>(a.updated);
-  p.mixture = ptr<__nv_bfloat16>(a.mixture);
-  if (a.snapshot_slot >= 0) p.snapshot = ptr<__nv_bfloat16>(snapshot_rows(a.block_residual, a.snapshot_slot));
-  p.rsigma = ptr<float>(a.rsigma);
-  p.probs = ptr<float>(a.probs);
-  p.logits = ptr<float>(a.logits);
+  p.layer_residual = tensor_ptr<const __nv_bfloat16>(a.layer_residual);
+  p.add = tensor_ptr<const __nv_bfloat16>(a.layer_residual_add);
+  p.add2 = tensor_ptr<const __nv_bfloat16>(a.layer_residual_add2);
+  p.bank = tensor_ptr<const __nv_bfloat16>(a.block_residual);
+  p.res_weight = tensor_ptr<const __nv_bfloat16>(a.res_weight);
+  p.rms_weight = tensor_ptr<const __nv_bfloat16>(a.rms_weight);
+  p.norm_weight = tensor_ptr<const __nv_bfloat16>(a.norm_weight);
+  p.output = tensor_ptr<__nv_bfloat16>(a.output);
+  p.updated = tensor_ptr<__nv_bfloat16>(a.updated);
+  p.mixture = tensor_ptr<__nv_bfloat16>(a.mixture);
+  if (a.snapshot_slot >= 0) p.snapshot = tensor_ptr<__nv_bfloat16>(snapshot_rows(a.block_residual, a.snapshot_slot));
+  p.rsigma = tensor_ptr<float>(a.rsigma);
+  p.probs = tensor_ptr<float>(a.probs);
+  p.logits = tensor_ptr<float>(a.logits);
   p.lr_stride = a.layer_residual.strides[0];
   p.add_stride = a.layer_residual_add.present() ? a.layer_residual_add.strides[0] : 0;
   p.add2_stride = a.layer_residual_add2.present() ? a.layer_residual_add2.strides[0] : 0;
@@ -96,22 +93,6 @@ Mode mode_of(AttnResOp op, const AttnResArgs& a) {
   if (!a.layer_residual_add.present()) return Mode::norm;
   return a.layer_residual_add2.present() ? Mode::add2 : Mode::add;
 }
-
-// Launches on the tensors' device, restoring the caller's current device afterwards.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    else previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
-};
 
 }  // namespace
 

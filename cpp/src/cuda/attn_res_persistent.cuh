@@ -216,6 +216,25 @@ __device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], floa
   }
 }
 
+// A row's (sum of squares, dot) of this warp: the thread's V chains summed in j order, then the warp's
+// butterfly sum; lane 0 stores the pair at row_partials[warp] (summed over warps in warp order later).
+template <int V>
+__device__ __forceinline__ void store_warp_partials(const float (&ssj)[V], const float (&dotj)[V], float* row_partials,
+                                                    int warp, int lane) {
+  float ss = ssj[0], dot = dotj[0];
+#pragma unroll
+  for (int j = 1; j < V; ++j) {
+    ss += ssj[j];
+    dot += dotj[j];
+  }
+  ss = warp_sum(ss);
+  dot = warp_sum(dot);
+  if (lane == 0) {
+    row_partials[warp * 2] = ss;
+    row_partials[warp * 2 + 1] = dot;
+  }
+}
+
 // V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`).
 template <int V, bool ADD>
 __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
@@ -292,18 +311,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
           const uint4 x = valid(j) ? *reinterpret_cast<const uint4*>(row + offset(j)) : make_uint4(0, 0, 0, 0);
           vector_scores(x, q[j], ssj[j], dotj[j]);
         }
-        float ss = ssj[0], dot = dotj[0];
-#pragma unroll
-        for (int j = 1; j < V; ++j) {
-          ss += ssj[j];
-          dot += dotj[j];
-        }
-        ss = warp_sum(ss);
-        dot = warp_sum(dot);
-        if (lane == 0) {
-          partials[(n * persistent::kMaxConsumerWarps + warp) * 2] = ss;
-          partials[(n * persistent::kMaxConsumerWarps + warp) * 2 + 1] = dot;
-        }
+        store_warp_partials<V>(ssj, dotj, partials + n * persistent::kMaxConsumerWarps * 2, warp, lane);
         if (two_pass) {
           __syncwarp();
           if (lane == 0) mbarrier_arrive(empty0 + 8 * cur.slot);
@@ -331,18 +339,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
           }
           vector_scores(P, q[j], ssj[j], dotj[j]);  // the same code as a bank row's: only P's value differs
         }
-        float ss = ssj[0], dot = dotj[0];
-#pragma unroll
-        for (int j = 1; j < V; ++j) {
-          ss += ssj[j];
-          dot += dotj[j];
-        }
-        ss = warp_sum(ss);
-        dot = warp_sum(dot);
-        if (lane == 0) {
-          partials[(K * persistent::kMaxConsumerWarps + warp) * 2] = ss;
-          partials[(K * persistent::kMaxConsumerWarps + warp) * 2 + 1] = dot;
-        }
+        store_warp_partials<V>(ssj, dotj, partials + K * persistent::kMaxConsumerWarps * 2, warp, lane);
         if (two_pass) {
           __syncwarp();
           if (lane == 0) {

@@ -9,6 +9,7 @@
 #include "backend.hpp"
 #include "cuda/attn_res_persistent.cuh"
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch_utils.hpp"
 #include "persistent_layout.hpp"
 
 namespace attnres::detail {
@@ -50,25 +51,6 @@ void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int d
   if (flag) flag->store(true, std::memory_order_release);
 }
 
-template <typename T>
-T* ptr(const TensorRef& t) {
-  return t.present() ? static_cast<T*>(t.data) : nullptr;
-}
-
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    else previous_ = -1;
-  }
-  ~DeviceGuard() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = -1;
-};
 
 }  // namespace
 
@@ -87,14 +69,14 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
                            ", slots " + std::to_string(plan.slots) + ", passes " + std::to_string(plan.passes) + ")");
 
   PersistentParams p{};
-  p.layer_residual = ptr<const __nv_bfloat16>(a.layer_residual);
-  p.add = ptr<const __nv_bfloat16>(a.layer_residual_add);
-  p.bank = ptr<const __nv_bfloat16>(a.block_residual);
-  p.res_weight = ptr<const __nv_bfloat16>(a.res_weight);
-  p.rms_weight = ptr<const __nv_bfloat16>(a.rms_weight);
-  p.norm_weight = ptr<const __nv_bfloat16>(a.norm_weight);
-  p.output = ptr<__nv_bfloat16>(a.output);
-  p.updated = ptr<__nv_bfloat16>(a.updated);
+  p.layer_residual = tensor_ptr<const __nv_bfloat16>(a.layer_residual);
+  p.add = tensor_ptr<const __nv_bfloat16>(a.layer_residual_add);
+  p.bank = tensor_ptr<const __nv_bfloat16>(a.block_residual);
+  p.res_weight = tensor_ptr<const __nv_bfloat16>(a.res_weight);
+  p.rms_weight = tensor_ptr<const __nv_bfloat16>(a.rms_weight);
+  p.norm_weight = tensor_ptr<const __nv_bfloat16>(a.norm_weight);
+  p.output = tensor_ptr<__nv_bfloat16>(a.output);
+  p.updated = tensor_ptr<__nv_bfloat16>(a.updated);
   p.lr_stride = a.layer_residual.strides[0];
   p.add_stride = add ? a.layer_residual_add.strides[0] : 0;
   p.bank_snapshot_stride = a.block_residual.strides[0];

@@ -21,6 +21,7 @@
 
 #include "attnres/moe_finalize.hpp"
 #include "cuda/cuda_check.cuh"
+#include "cuda/launch_utils.hpp"
 
 namespace attnres::detail {
 
@@ -251,24 +252,6 @@ void launch(const MoeParams& p, const MoeFinalizePlan& plan, int64_t tokens, cud
   config.numAttrs = 1;
   cuda_check(cudaLaunchKernelEx(&config, moe_finalize_single_cta<VPT, kChunk, W>, p), "moe_finalize launch");
 }
-
-// Launches on the tensors' device (restoring the caller's current device), as a stream belongs to one.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    cuda_check(cudaGetDevice(&saved_), "cudaGetDevice");
-    if (saved_ != device) cuda_check(cudaSetDevice(device), "cudaSetDevice");
-    else saved_ = -1;
-  }
-  ~DeviceGuard() {
-    if (saved_ >= 0) cudaSetDevice(saved_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int saved_ = -1;
-};
 
 }  // namespace
 

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from ..graphs import capture as capture_call
+
 
 @dataclass
 class Timing:
@@ -38,19 +40,7 @@ def rotating_sets(bytes_per_set: int, minimum: int = 8, maximum: int = 1024) -> 
 
 def capture(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     """Runs the calls once eagerly (warm-up: autotuning, lazy init) on a side stream, then captures them."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    torch.cuda.synchronize()
-    return graph
+    return capture_call(lambda: [c() for c in calls])[0]
 
 
 def _quantile(sorted_values: list[float], q: float) -> float:

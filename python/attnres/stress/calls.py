@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 import attnres
+from attnres.graphs import capture
 from attnres.moe import moe_finalize
 
 from .checks import compare, inputs_unchanged, oracle_check, same_bits
@@ -134,28 +135,13 @@ class CallStats:
             self.variants[t] = self.variants.get(t, 0) + 1
 
 
-def _capture(fn):
-    """Warm-up on a side stream, then capture fn once (as tests/test_cuda_graphs_pdl.py does)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 def _graph_round(call: Call, stats: CallStats) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Captures the call, replays it over poisoned outputs (and a poisoned snapshot row) on the captured
     inputs, then again after fresh values were copied into its buffers; each replay must equal the eager
     call that follows it bit for bit. Returns the last eager outputs and the clones of the buffers taken
     right after the refill (what the caller's input check compares with)."""
     s = call.spec
-    graph, captured = _capture(lambda: device_call(s, call))
+    graph, captured = capture(lambda: device_call(s, call))
     stats.graph_captures += 1
     eager, before = {}, {}
     for round_ in range(2):
