@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|chain|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
+#   tools/gpu_check.sh [smoke|test|chain|persistent|tp|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
 # smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
-# stress: the random-call and decode-chain stress runs (python -m attnres.stress);
+# stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
+# (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
 # .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
@@ -95,6 +96,18 @@ if has chain; then
   timeout "${CHAIN_WALL:-240}" python3 -m attnres.bench chain --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
   timeout 120 python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" 2>&1 \
     | tail -14
+fi
+if has persistent; then
+  step "persistent-kernel benchmark (P5, per-token/persistent crossover)"
+  timeout "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
+    --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
+fi
+if has tp; then
+  step "tensor parallelism on two GPUs (NCCL, NVLink multicast off): checks and benchmark"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  nvidia-smi topo -m 2>&1 | head -5 | tee "$OUT/topo.txt"
+  timeout "${TP_WALL:-240}" python3 -m attnres.tp check --tokens 1,8 2>&1 | tee "$OUT/tp_check.log" | tail -25 || status=1
+  timeout "${TP_BENCH_WALL:-240}" python3 -m attnres.bench tp --out "$OUT/tp.json" 2>&1 | tail -20 || status=1
 fi
 if has bench full; then
   step "benchmarks"
