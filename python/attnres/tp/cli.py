@@ -47,30 +47,55 @@ def _config(opts: dict, device_type: str):
 
 def check_rank(opts: dict) -> list[C.Check]:
     """One rank's part of `check`: every rank returns the merged results; rank 0 prints them."""
+    return check_rank_variants(opts, [{}])[0]
+
+
+def check_rank_variants(opts: dict, variants: list[dict]) -> list[list[C.Check]]:
+    """Joins the group once, then runs the checks once per variant (opts updated by it): the merged results
+    of each, on every rank. Rank 0 prints them when opts["verbose"]."""
     import torch
 
-    torch.set_num_threads(opts.get("threads") or torch.get_num_threads())
+    if opts.get("threads"):
+        torch.set_num_threads(opts["threads"])
     ctx = init(opts["device"])
     try:
-        t0 = time.perf_counter()
-        config = _config(opts, ctx.device.type)
-        mine = C.run_checks(ctx, tokens=opts["tokens"], config=config, steps=opts["steps"], seed=opts["seed"],
-                            finalize=opts["finalize"], mutation=opts["mutation"])
-        merged = C.merge(ctx.all_gather_object(mine))
-        if ctx.rank == 0 and opts["verbose"]:
-            print(f"attnres.tp check: {ctx.world_size} ranks on {ctx.backend} ({ctx.device.type}), H="
-                  f"{config.hidden_size}, {config.num_layers} layers, block {config.snapshot_block}, "
-                  f"T={list(opts['tokens'])}, {opts['steps']} steps")
-            for c in merged:
-                print(c.line())
-            failed = sum(not c.passed for c in merged)
-            print(f"{len(merged) - failed} checks passed, {failed} failed ({time.perf_counter() - t0:.1f} s)")
-            if opts["json"]:
-                with open(opts["json"], "w") as f:
-                    json.dump([c.__dict__ for c in merged], f, indent=1)
-        return merged
+        results = []
+        for variant in variants:
+            o = {**opts, **variant}
+            t0 = time.perf_counter()
+            config = _config(o, ctx.device.type)
+            mine = C.run_checks(ctx, tokens=o["tokens"], config=config, steps=o["steps"], seed=o["seed"],
+                                finalize=o["finalize"], mutation=o["mutation"])
+            merged = C.merge(ctx.all_gather_object(mine))
+            if ctx.rank == 0 and o["verbose"]:
+                _report(ctx, config, o, merged, time.perf_counter() - t0)
+            results.append(merged)
+        return results
     finally:
         shutdown()
+
+
+def _report(ctx, config, o: dict, merged: list[C.Check], seconds: float) -> None:
+    print(f"attnres.tp check: {ctx.world_size} ranks on {ctx.backend} ({ctx.device.type}), H={config.hidden_size}, "
+          f"{config.num_layers} layers, block {config.snapshot_block}, T={list(o['tokens'])}, {o['steps']} steps"
+          + (f", mutation {o['mutation']}" if o["mutation"] != "none" else ""))
+    for c in merged:
+        print(c.line())
+    failed = sum(not c.passed for c in merged)
+    print(f"{len(merged) - failed} checks passed, {failed} failed ({seconds:.1f} s)", flush=True)
+    if o.get("json"):
+        with open(o["json"], "w") as f:
+            json.dump([c.__dict__ for c in merged], f, indent=1)
+
+
+def default_opts(**overrides) -> dict:
+    """The options of `check` as the command line's defaults (for callers such as the tests)."""
+    opts = dict(tokens=(1, 8), steps=2, device="auto", hidden=None, layers=None, block=None, seed=0, finalize=True,
+                mutation="none", json=None, verbose=False, threads=None)
+    unknown = set(overrides) - set(opts)
+    if unknown:
+        raise ValueError(f"default_opts: unknown options {sorted(unknown)}")
+    return {**opts, **overrides}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    opts = dict(tokens=args.tokens, steps=args.steps, device=args.device, hidden=args.hidden, layers=args.layers,
-                block=args.block, seed=args.seed, finalize=not args.no_finalize, mutation=args.mutation,
-                json=args.json, verbose=True, threads=None)
+    opts = default_opts(tokens=args.tokens, steps=args.steps, device=args.device, hidden=args.hidden,
+                        layers=args.layers, block=args.block, seed=args.seed, finalize=not args.no_finalize,
+                        mutation=args.mutation, json=args.json, verbose=True)
     if under_torchrun():
         merged = check_rank(opts)
     else:

@@ -27,7 +27,8 @@ Bitwise facts (the checks in attnres.tp assert them):
 * after an all-reduce every rank holds the same bits (NCCL and gloo hand every rank the same result);
 * with two ranks each element of an all-reduce is one addition p0 + p1, commutative and rounded once to bf16
   — PyTorch's bf16 `p0 + p1` bit for bit — so TP = 2 equals `Shards.summed(2)` bitwise. With more ranks the
-  all-reduce's summation order is the library's, not ours: equal within tolerance only;
+  all-reduce's summation order is the library's, not ours: each all-reduce is within (W - 1) u sum|p_r| of
+  the exact sum (u = 2^-8), and the chain as a whole may differ (a top-k router amplifies one ulp);
 * fold on == fold off under TP: both chains consume the same reduced routed and shared tensors.
 """
 
