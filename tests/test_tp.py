@@ -295,3 +295,46 @@ def test_resolve_device():
     if not TWO_GPUS:
         with pytest.raises(RuntimeError, match="device 'cuda'"):
             resolve_device("cuda", 2)
+
+
+# ------------------------------------------------------------------------------------------ the benchmark
+def test_bench_tp_on_cpu_runs_the_chain_and_its_checks(tmp_path, capfd):
+    """`python -m attnres.bench tp --device cpu`: two gloo ranks, the five step variants, the checks (fold on ==
+    off, fed chain == the TP model's eager step, ranks identical, latents), a JSON results file."""
+    from attnres.bench.__main__ import main as bench_main
+
+    out = tmp_path / "tp.json"
+    rc = bench_main(["tp", "--device", "cpu", "--tokens", "2", "--repeats", "2", "--layers", "6", "--out", str(out)])
+    text = capfd.readouterr().out
+    assert rc == 0, text
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 2 and data["meta"]["backend"] == "gloo"
+    assert {k: data["meta"]["env"][k] for k in NO_MULTICAST_ENV} == NO_MULTICAST_ENV
+    chain = {r["provider"]: r for r in data["records"] if r["kind"] == "chain"}
+    assert set(chain) == {"tp_chain/fold_on", "tp_chain/fold_off", "tp_chain_no_comm/fold_on",
+                          "tp_chain_no_comm/fold_off", "tp_comm_only"}
+    on = chain["tp_chain/fold_on"]
+    assert on["fold_bitwise_equal"] and on["equals_model"] and on["ranks_identical"] and on["latents_equal"]
+    assert on["all_reduces_per_step"] == 2 + 3 * 5 and on["layers"] == 6 and len(on["rank_medians_us"]) == 2
+    assert on["comm_us"] == on["median_us"] - chain["tp_chain_no_comm/fold_on"]["median_us"]
+    ar = [r for r in data["records"] if r["kind"] == "all_reduce"]
+    assert [r["provider"] for r in ar] == ["gloo_all_reduce"] and ar[0]["bytes"] == 2 * on["H"] * 2
+    assert "tp T=2 x2" in text and "fold bitwise equal" in text
+
+
+def test_bench_tp_reports_a_failed_check():
+    from attnres.bench.tp import checks_passed
+
+    good = {"kind": "chain", "provider": "tp_chain/fold_on", "T": 1, "fold_bitwise_equal": True, "equals_model": True,
+            "ranks_identical": True, "latents_equal": True}
+    assert checks_passed([good]) == []
+    for key in ("fold_bitwise_equal", "equals_model", "ranks_identical", "latents_equal"):
+        assert key in checks_passed([{**good, key: False}])[0]
+
+
+def test_bench_tp_needs_two_ranks():
+    from attnres.bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as e:
+        bench_main(["tp", "--device", "cpu", "--nproc", "1"])
+    assert e.value.code == 2
