@@ -104,7 +104,7 @@ MUTATION_FAILS = {
 def test_each_fault_fails_the_checks():
     names = list(MUTATION_FAILS)
     results = _run("cpu", variants=[{"mutation": m} for m in names], tokens=(1,), steps=1, layers=8)
-    for mutation, checks in zip(names, results):
+    for mutation, checks in zip(names, results, strict=True):
         failed = [c.name for c in checks if not c.passed]
         for fragment in MUTATION_FAILS[mutation]:
             assert any(fragment in name for name in failed), (mutation, fragment, failed)
@@ -297,13 +297,13 @@ def test_bench_tp_on_cpu_runs_the_chain_and_its_checks(tmp_path, capfd):
 
 
 def test_bench_tp_reports_a_failed_check():
-    from attnres.bench.tp import checks_passed
+    from attnres.bench.tp import failed_checks
 
     good = {"kind": "chain", "provider": "tp_chain/fold_on", "T": 1, "fold_bitwise_equal": True, "equals_model": True,
             "ranks_identical": True, "latents_equal": True}
-    assert checks_passed([good]) == []
+    assert failed_checks([good]) == []
     for key in ("fold_bitwise_equal", "equals_model", "ranks_identical", "latents_equal"):
-        assert key in checks_passed([{**good, key: False}])[0]
+        assert key in failed_checks([{**good, key: False}])[0]
 
 
 def test_bench_tp_needs_two_ranks():

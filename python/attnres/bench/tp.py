@@ -298,7 +298,7 @@ def _latents_equal(chains: dict, recorded: list[Tensor]) -> bool:
         fed = [layer.mlp for layer in chains["tp_chain", fold].model.layers if isinstance(layer.mlp, _FedMoE)]
         if len(fed) != len(recorded):
             return False
-        for f, want in zip(fed, recorded):
+        for f, want in zip(fed, recorded, strict=True):
             if f.latent is None or not torch.equal(f.latent.view(torch.int16), want.view(torch.int16)):
                 return False
     return True
@@ -405,7 +405,7 @@ def op_latency(ctx: RankContext, tokens, *, repeats: int = 25, pdl: bool = True)
                 (lambda s=s: moe_finalize(s[4], s[1], s[5], norm_weight=s[3], eps=1e-5, scale=ROUTED_SCALE))
                 for s in fin],
             "torch/latent_rmsnorm": [(lambda x=x, s=s: rmsnorm_two_rounding(x, s[3], 1e-5))
-                                     for x, s in zip(latent, fin)],
+                                     for x, s in zip(latent, fin, strict=True)],
         }
         graphs = {name: (_capture(lambda cs=cs: [c() for c in cs]), len(cs)) for name, cs in calls.items()}
         for name, t in time_interleaved(graphs, repeats=repeats).items():
@@ -452,14 +452,18 @@ def run_rank(opts: dict) -> list[dict] | None:
         shutdown()
 
 
-def checks_passed(records: list[dict]) -> list[str]:
-    """The chain records whose checks failed, as lines ([] when all passed)."""
+_CHECK_DETAIL = {"fold_bitwise_equal": "fold_diffs", "equals_model": "model_diffs",
+                 "ranks_identical": "ranks_differing", "latents_equal": None}
+
+
+def failed_checks(records: list[dict]) -> list[str]:
+    """The chain checks that failed, one line each ([] when all passed)."""
     bad = []
     for r in records:
         if r.get("kind") == "chain" and r["provider"] == "tp_chain/fold_on":
-            for key in ("fold_bitwise_equal", "equals_model", "ranks_identical", "latents_equal"):
+            for key, detail in _CHECK_DETAIL.items():
                 if not r[key]:
-                    bad.append(f"T={r['T']}: {key} is false ({r.get('fold_diffs') or r.get('model_diffs') or r.get('ranks_differing')})")
+                    bad.append(f"T={r['T']}: {key} is false" + (f" ({r.get(detail)})" if detail else ""))
     return bad
 
 
@@ -507,7 +511,7 @@ def main(args) -> int:
             return 0
     else:
         records = launch(run_rank, args.nproc, opts)[0]
-    bad = checks_passed(records)
+    bad = failed_checks(records)
     for line in bad:
         print(f"tp: check failed: {line}", file=sys.stderr)
     return 1 if bad else 0

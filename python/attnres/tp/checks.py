@@ -131,7 +131,7 @@ class _FoldOffSumsPartials:
             return m(y, return_parts=True)
         routed, partials = m.routed(y), m.shared_expert.partials(y)
         # The replicated routed part joins rank 0's partial only, so the reduced sum is still the total.
-        mixed = [(routed + p) if rank == 0 else p for rank, p in zip(m.shards.ranks, partials)]
+        mixed = [(routed + p) if rank == 0 else p for rank, p in zip(m.shards.ranks, partials, strict=True)]
         return m.shards.reduce(mixed)
 
 

@@ -46,7 +46,7 @@ import attnres
 from .config import KimiK3Config
 from .decoder import KimiK3Model
 from .residual import BF16, ResidualSettings, rmsnorm
-from .sublayers import _POOL_SQUARE, _POOL_WIDE, WeightPool, _bf16_values, _LayerRandom, _slice
+from .sublayers import _POOL_SQUARE, _POOL_WIDE, WeightPool, _LayerRandom, _slice
 
 # Seed roles of the tensor-parallel stand-ins (distinct from the TP = 1 stand-ins' 1, 2, 3).
 _ROLE_ATTN, _ROLE_DENSE, _ROLE_MOE = 21, 22, 23
