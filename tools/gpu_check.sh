@@ -93,9 +93,11 @@ if has smoke; then
 fi
 if has chain; then
   step "decode-chain benchmark (P6) and the regression guard"
-  timeout "${CHAIN_WALL:-240}" python3 -m attnres.bench chain --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
-  timeout 120 python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" 2>&1 \
-    | tail -14
+  timeout "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
+  if [[ ${GUARD:-1} == 1 ]]; then
+    timeout 120 python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" \
+      2>&1 | tail -14
+  fi
 fi
 if has persistent; then
   step "persistent-kernel benchmark (P5, per-token/persistent crossover)"

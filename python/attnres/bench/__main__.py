@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import chain, decode, finalize, floors, guard, persistent, results, tune
+from . import chain, decode, finalize, floors, guard, persistent, results, tp, tune
 
 
 def _progress_printer():
@@ -30,15 +30,16 @@ def _progress_printer():
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
-    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "persistent", "guard", "all",
-                                     "plot"],
+    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "persistent", "tp", "guard",
+                                     "all", "plot"],
                    help="which sweep to run ('all': floors, decode, tune, finalize, chain); 'chain': the "
                         "93-layer Kimi K3 decode step with the MoE-tail fold on vs off (target P6); 'persistent': the "
                         "persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
                         "12}, with and without the addend, with the crossover T and target P5 (about 3 minutes on "
-                        "an H200, run on its own: not part of 'all'; --hidden sets H, default 7168); 'guard': a "
-                        "quick check of "
-                        "key points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of an "
+                        "an H200, run on its own: not part of 'all'; --hidden sets H, default 7168); 'tp': the chain "
+                        "step under tensor parallelism (2 ranks: under torchrun, or spawned), NCCL all-reduce time "
+                        "separated, plus all-reduce and op latencies (docs/tp.md); 'guard': a quick check of key "
+                        "points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of an "
                         "existing results file (--out) into --plots")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
     p.add_argument("--out", default=None, help="results file (JSON; default bench_results.json; guard: where to "
@@ -50,14 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go")
     c = p.add_argument_group("chain")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cpu: the chain on the CPU backend with a small config, timed eagerly by wall clock (no "
-                        "graphs): exercises the code, measures nothing about the fold")
+                   help="cpu: the chain (tp: over gloo) on the CPU backend with a small config, timed eagerly by wall "
+                        "clock (no graphs): exercises the code, measures nothing about the fold")
     c.add_argument("--tokens", default=None,
-                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32)")
+                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8)")
     c.add_argument("--hidden", type=int, default=None,
                    help="hidden size (chain: default 7168 on cuda, 512 on cpu; persistent: default 7168)")
     c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 25 on cpu)")
     c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
+    t = p.add_argument_group("tp")
+    t.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    t.add_argument("--no-latencies", action="store_true", help="the chain only (no all-reduce/op latency sweep)")
+    t.add_argument("--symm-mem", action="store_true",
+                   help="also time torch's symmetric-memory one-shot all-reduce (P2P over NVLink, no multicast)")
     g = p.add_argument_group("guard")
     g.add_argument("--baseline", default=None,
                    help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
@@ -70,11 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in make_plots(args.out or "bench_results.json", args.plots):
             print(path)
         return 0
-    if args.device == "cpu" and args.suite != "chain":
-        p.error("--device cpu applies to the chain suite only")
+    if args.device == "cpu" and args.suite not in ("chain", "tp"):
+        p.error("--device cpu applies to the chain and tp suites only")
     if args.suite == "persistent" and args.hidden is not None and (
             args.hidden % 8 or not 8 <= args.hidden <= 16384):
         p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
+    if args.suite == "tp":
+        return _tp(args, p)
     if args.suite == "guard":
         return _guard(args)
     if args.suite == "chain" and args.device == "cpu":
@@ -181,6 +189,15 @@ def _chain_cpu(args) -> int:
     for line in chain.summary(records):
         print(line)
     return 0 if _chains_agree(records) else 1
+
+
+def _tp(args, parser) -> int:
+    if args.nproc < 2:
+        parser.error("--nproc must be >= 2 (tensor parallelism needs ranks to reduce over)")
+    args.tokens = _chain_tokens(args) if args.tokens is not None else tp.TOKENS
+    custom = args.hidden is not None or args.layers is not None or args.block is not None
+    args.config = _chain_config(args, args.device) if custom else None
+    return tp.main(args)
 
 
 def _guard(args) -> int:

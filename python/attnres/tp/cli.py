@@ -1,0 +1,131 @@
+"""The command line of python -m attnres.tp: tensor-parallel (TP) runs of the Kimi K3 decode chain.
+
+    python -m attnres.tp check [--tokens 1,8] [--nproc 2]              spawns the ranks itself
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m attnres.tp check  under torchrun
+
+`check` runs attnres.tp.checks on every rank (NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the
+CPU with a small config), prints PASS/FAIL per check (a check passes when it passed on every rank) and exits 1
+if any failed. The benchmark is `python -m attnres.bench tp`.
+
+The rank entry points live here, not in __main__, so that spawned ranks can import them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from . import checks as C
+from .launch import init, launch, shutdown, under_torchrun
+
+
+def _tokens(text: str) -> tuple[int, ...]:
+    try:
+        tokens = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens must be comma-separated integers >= 1, got {text!r}")
+    return tokens
+
+
+def _config(opts: dict, device_type: str):
+    from attnres.models.kimi_k3 import KimiK3Config, kimi_k3_full_attention_layers
+
+    base = KimiK3Config.real() if device_type == "cuda" else C.cpu_config()
+    if opts["hidden"] is None and opts["layers"] is None and opts["block"] is None:
+        return base.with_(seed=opts["seed"])
+    layers = opts["layers"] or base.num_layers
+    hidden = opts["hidden"] or base.hidden_size
+    return base.with_(hidden_size=hidden, num_layers=layers, snapshot_block=opts["block"] or base.snapshot_block,
+                      full_attention_layers=kimi_k3_full_attention_layers(layers),
+                      capture_layers=tuple(c for c in base.capture_layers if c < layers - 1),
+                      standin_rank=min(base.standin_rank, hidden), seed=opts["seed"])
+
+
+def check_rank(opts: dict) -> list[C.Check]:
+    """One rank's part of `check`: every rank returns the merged results; rank 0 prints them."""
+    return check_rank_variants(opts, [{}])[0]
+
+
+def check_rank_variants(opts: dict, variants: list[dict]) -> list[list[C.Check]]:
+    """Joins the group once, then runs the checks once per variant (opts updated by it): the merged results
+    of each, on every rank. Rank 0 prints them when opts["verbose"]."""
+    import torch
+
+    if opts.get("threads"):
+        torch.set_num_threads(opts["threads"])
+    ctx = init(opts["device"])
+    try:
+        results = []
+        for variant in variants:
+            o = {**opts, **variant}
+            t0 = time.perf_counter()
+            config = _config(o, ctx.device.type)
+            mine = C.run_checks(ctx, tokens=o["tokens"], config=config, steps=o["steps"], seed=o["seed"],
+                                finalize=o["finalize"], mutation=o["mutation"])
+            merged = C.merge(ctx.all_gather_object(mine))
+            if ctx.rank == 0 and o["verbose"]:
+                _report(ctx, config, o, merged, time.perf_counter() - t0)
+            results.append(merged)
+        return results
+    finally:
+        shutdown()
+
+
+def _report(ctx, config, o: dict, merged: list[C.Check], seconds: float) -> None:
+    print(f"attnres.tp check: {ctx.world_size} ranks on {ctx.backend} ({ctx.device.type}), H={config.hidden_size}, "
+          f"{config.num_layers} layers, block {config.snapshot_block}, T={list(o['tokens'])}, {o['steps']} steps"
+          + (f", mutation {o['mutation']}" if o["mutation"] != "none" else ""))
+    for c in merged:
+        print(c.line())
+    failed = sum(not c.passed for c in merged)
+    print(f"{len(merged) - failed} checks passed, {failed} failed ({seconds:.1f} s)", flush=True)
+    if o.get("json"):
+        with open(o["json"], "w") as f:
+            json.dump([c.__dict__ for c in merged], f, indent=1)
+
+
+def default_opts(**overrides) -> dict:
+    """The options of `check` as the command line's defaults (for callers such as the tests)."""
+    opts = dict(tokens=(1, 8), steps=2, device="auto", hidden=None, layers=None, block=None, seed=0, finalize=True,
+                mutation="none", json=None, verbose=False, threads=None)
+    unknown = set(overrides) - set(opts)
+    if unknown:
+        raise ValueError(f"default_opts: unknown options {sorted(unknown)}")
+    return {**opts, **overrides}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m attnres.tp", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check", help="the TP correctness checks on every rank; exit 1 on any failure")
+    c.add_argument("--tokens", type=_tokens, default=(1, 8), help="comma-separated T values (default 1,8)")
+    c.add_argument("--steps", type=int, default=2, help="decode steps per T (default 2)")
+    c.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    c.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    c.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168 on cuda, 256 on cpu)")
+    c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 14 on cpu)")
+    c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--no-finalize", action="store_true", help="skip the finalize checks")
+    c.add_argument("--mutation", choices=C.MUTATIONS, default="none",
+                   help="switch on one deliberate fault (the checks must then fail)")
+    c.add_argument("--json", default=None, help="also write the merged results here (rank 0)")
+    args = p.parse_args(argv)
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    opts = default_opts(tokens=args.tokens, steps=args.steps, device=args.device, hidden=args.hidden,
+                        layers=args.layers, block=args.block, seed=args.seed, finalize=not args.no_finalize,
+                        mutation=args.mutation, json=args.json, verbose=True)
+    if under_torchrun():
+        merged = check_rank(opts)
+    else:
+        if args.nproc < 1:
+            p.error("--nproc must be >= 1")
+        opts["threads"] = 1 if args.device != "cuda" else None
+        merged = launch(check_rank, args.nproc, opts)[0]
+    return 0 if all(c.passed for c in merged) else 1
+

@@ -1,0 +1,314 @@
+"""Tensor parallelism (docs/tp.md): the Kimi K3 decode chain with TP stand-in sub-layers on two ranks.
+
+On the CPU (CI) two gloo ranks are spawned and run the checks of attnres.tp.checks on a small config; with two
+Hopper GPUs the same checks run on NCCL with Kimi K3's real config (93 layers, H = 7168), and skip otherwise.
+Asserted: every rank ends each step with bit-identical prefixes, bank and outputs; TP = 2 equals the TP = 1
+chain on the summed partials bitwise; fold on == fold off under TP; the chain's MoE consumes the local-route
+finalize + all-reduce + latent norm; the finalize under TP against the TP = 1 finalize within the stated
+bound. Then the checks' teeth (one deliberate fault at a time must fail them), three ranks (the tolerance
+path), and the pieces in one process: Shards, the stand-ins, the launcher's environment, the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from attnres.models.kimi_k3 import ChainTrace, KimiK3Config, ResidualSettings, compare_outputs, compare_traces
+from attnres.models.kimi_k3.residual import FUSED_ADD2
+from attnres.models.kimi_k3.sublayers import _LayerRandom
+from attnres.models.kimi_k3.tp import (Shards, StandInRoutedExperts, TPAttention, TPDenseMLP, TPMoE, latent_width,
+                                       permuted_rows, shard_range, tensor_parallel_model)
+from attnres.tp import NO_MULTICAST_ENV, cuda_ranks_available, forbid_multicast, launch, resolve_device, under_torchrun
+from attnres.tp import checks as C
+from attnres.tp.cli import check_rank_variants, default_opts, main
+
+pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
+
+TWO_GPUS, NO_TWO_GPUS = cuda_ranks_available(2)
+BACKENDS = ["gloo-cpu", pytest.param("nccl-cuda", marks=[pytest.mark.gpu,
+                                                         pytest.mark.skipif(not TWO_GPUS, reason=NO_TWO_GPUS)])]
+# Checks per T at W = 2: per step 2 rank agreement, 2 all-reduce audits, 2 TP-vs-TP1 chains, 1 fold; 2 watched
+# MoE layers; 5 finalize. W > 2 has no bitwise TP-vs-TP1 chain or finalize check.
+EXPECTED_PER_T = {"chain": lambda steps, w=2: (7 if w == 2 else 5) * steps + 2,
+                  "finalize": lambda w=2: 5 if w == 2 else 4}
+
+
+def _run(device: str, nprocs: int = 2, variants=({},), **opts) -> list[list[C.Check]]:
+    opts = default_opts(device=device, threads=1 if device == "cpu" else None, **opts)
+    return launch(check_rank_variants, nprocs, opts, list(variants))[0]
+
+
+def _select(checks: list[C.Check], *words: str) -> list[C.Check]:
+    return [c for c in checks if all(w in c.name for w in words)]
+
+
+def _assert_all_pass(selected: list[C.Check], count: int) -> None:
+    assert len(selected) == count, [c.name for c in selected]
+    failed = [c.line() for c in selected if not c.passed]
+    assert not failed, "\n".join(failed)
+
+
+# ------------------------------------------------------------------------------------------ two ranks
+# One test per spawned group (each spawn costs seconds; under pytest-xdist a fixture shared by several tests
+# would be spawned once per worker).
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks(backend, tmp_path, capfd):
+    """The full check suite on two ranks through the command line (T = 1 and 8, two steps each); exit 0, and
+    each family of checks ran as often as it should and passed."""
+    device = "cpu" if backend == "gloo-cpu" else "cuda"
+    out = tmp_path / "checks.json"
+    rc = main(["check", "--device", device, "--tokens", "1,8", "--steps", "2", "--json", str(out)])
+    text = capfd.readouterr().out
+    checks = [C.Check(**r) for r in json.loads(out.read_text())]
+    assert rc == 0 and "FAIL" not in text, text
+    _assert_all_pass(checks, 2 * (EXPECTED_PER_T["chain"](2) + EXPECTED_PER_T["finalize"]()))
+    # Every rank ends each step bit-identical: T in {1, 8} x 2 steps x fold on/off, every site's prefix, output
+    # and tap, the bank after every layer, the model output.
+    _assert_all_pass(_select(checks, "ranks bit-identical", "step"), 8)
+    assert all("2 ranks" in c.detail for c in _select(checks, "ranks bit-identical", "step"))
+    # TP = 2 == TP = 1 on the summed partials, bitwise; every all-reduce within its bound.
+    _assert_all_pass(_select(checks, "TP=2 == TP=1 on the summed partials (bitwise)"), 8)
+    _assert_all_pass(_select(checks, "every all-reduce within"), 8)
+    assert all(c.detail.endswith("all-reduces") for c in _select(checks, "every all-reduce within"))
+    # Fold on == fold off under TP, with the fold taken (the comparison is not vacuous).
+    _assert_all_pass(_select(checks, "fold on == fold off under TP=2"), 4)
+    assert all("fold taken at" in c.detail for c in _select(checks, "fold on == fold off under TP=2"))
+    # The chain's MoE consumes the local-route finalize + all-reduce + latent norm.
+    _assert_all_pass(_select(checks, "local-route finalize + all-reduce + latent norm"), 4)
+    # The finalize under TP at its real shape on CUDA.
+    for what in ("every route is local on exactly one rank", "ranks bit-identical after the all-reduce",
+                 "TP=2 == the summed local-route partials (bitwise)", "latent (before the norm)",
+                 "normed latent vs the TP=1 finalize"):
+        _assert_all_pass(_select(checks, "finalize", what), 2)
+    assert _select(checks, "finalize", f"D={3584 if device == 'cuda' else 256} k=16")
+    # The split really changes the rounding (the tolerance is exercised, not idle).
+    assert any(not c.detail.startswith("0 of") for c in _select(checks, "finalize", "latent (before the norm)"))
+
+
+# ------------------------------------------------------------------------------------------ the checks' teeth
+MUTATION_FAILS = {
+    # mutation: the checks that must fail (name fragments)
+    "skip_all_reduce": ["ranks bit-identical", "TP=2 == TP=1 on the summed partials", "local-route finalize",
+                        "every all-reduce within", "finalize T=1 D=256 k=16 E=64: ranks bit-identical",
+                        "latent (before the norm)"],
+    "norm_before_all_reduce": ["TP=2 == TP=1 on the summed partials", "local-route finalize"],
+    "fold_off_sums_partials": ["fold off: TP=2 == TP=1", "fold on == fold off"],
+    "rank_dependent_output": ["fold on: ranks bit-identical", "fold on == fold off"],
+}
+
+
+def test_each_fault_fails_the_checks():
+    names = list(MUTATION_FAILS)
+    results = _run("cpu", variants=[{"mutation": m} for m in names], tokens=(1,), steps=1, layers=8)
+    for mutation, checks in zip(names, results, strict=True):
+        failed = [c.name for c in checks if not c.passed]
+        for fragment in MUTATION_FAILS[mutation]:
+            assert any(fragment in name for name in failed), (mutation, fragment, failed)
+
+
+def test_three_ranks():
+    """W = 3: the all-reduce's order is the library's. Ranks still agree bitwise and fold on == off bitwise;
+    every all-reduce is within its bound of the exact sum; the finalize within its bound of TP = 1."""
+    checks = _run("cpu", nprocs=3, tokens=(4,), steps=1, layers=6)[0]
+    _assert_all_pass(checks, EXPECTED_PER_T["chain"](1, 3) + EXPECTED_PER_T["finalize"](3))
+    assert "3 ranks" in _select(checks, "ranks bit-identical")[0].detail
+    assert _select(checks, "3 ranks' partials") and not _select(checks, "bitwise", "summed")
+
+
+# ------------------------------------------------------------------------------------------ the command line
+def test_command_line_exits_non_zero_on_a_failed_check(capfd):
+    rc = main(["check", "--device", "cpu", "--tokens", "1", "--steps", "1", "--layers", "6", "--no-finalize",
+               "--mutation", "rank_dependent_output"])
+    text = capfd.readouterr().out
+    assert rc == 1 and "FAIL  T=1 step 0 fold on: ranks bit-identical" in text
+
+
+@pytest.mark.parametrize("bad", [["check", "--tokens", "0"], ["check", "--tokens", "a"], ["check", "--steps", "0"],
+                                 ["check", "--mutation", "nope"], []])
+def test_command_line_rejects(bad):
+    with pytest.raises(SystemExit) as e:
+        main(bad)
+    assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------ one process
+SMALL = KimiK3Config.small(hidden_size=256, num_layers=10, snapshot_block=4)
+
+
+def test_shards_reject_malformed_groups():
+    for kw in (dict(world_size=0), dict(world_size=2, ranks=(2,), all_reduce=lambda t: t),
+               dict(world_size=2, ranks=(0, 0)), dict(world_size=2, ranks=()), dict(world_size=2, ranks=(1,))):
+        with pytest.raises(ValueError):
+            Shards(**kw)
+
+
+@pytest.mark.parametrize("size,world", [(64, 2), (7, 3), (5, 5), (896, 8)])
+def test_shard_range_partitions(size, world):
+    parts = [shard_range(size, world, r) for r in range(world)]
+    assert [i for p in parts for i in p] == list(range(size))
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError):
+        shard_range(size, world, world)
+
+
+def test_partials_are_real_shares_of_the_total():
+    """Each rank's partial is a genuine share (non-zero, not the total), and the summed stand-in is their sum."""
+    pool_model = tensor_parallel_model(SMALL, Shards.summed(2))
+    x = pool_model.embed(4, step=1)
+    for sub in (pool_model.layers[0].attention, pool_model.layers[0].mlp, pool_model.layers[3].attention,
+                pool_model.layers[2].mlp.shared_expert):
+        assert isinstance(sub, (TPAttention, TPDenseMLP)) or hasattr(sub, "partial")
+        p0, p1 = sub.partials(x)
+        total = sub(x)
+        assert torch.equal(total, p0 + p1)
+        assert p0.abs().sum() > 0 and p1.abs().sum() > 0
+        assert not torch.equal(total, p0) and not torch.equal(total, p1)
+        assert 0.05 < p0.float().std() / total.float().std() < 2
+
+
+def test_world_one_is_the_whole_projection():
+    """Shards() (world 1) computes the whole projection; summed(2) the same total up to the split's rounding."""
+    one = tensor_parallel_model(SMALL, Shards())
+    two = tensor_parallel_model(SMALL, Shards.summed(2))
+    x = one.embed(4, step=2)
+    a, b = one.layers[1].attention(x).float(), two.layers[1].attention(x).float()
+    assert not torch.equal(a, b)  # two roundings (per partial, then the sum) instead of one
+    assert (a - b).abs().max() <= 4 * 2 ** -8 * a.abs().max()
+
+
+def test_summed_model_fold_on_equals_off_in_one_process():
+    model = tensor_parallel_model(SMALL, Shards.summed(2))
+    x = model.embed(8, step=3)
+    runs = {}
+    for fold in (False, True):
+        model.settings = ResidualSettings(fold=fold)
+        model.paths.clear()
+        trace = ChainTrace()
+        runs[fold] = (model(x, bank=model.allocate_bank(8, fill=-3.0), trace=trace), trace)
+        folded = len(model.paths.select(path=FUSED_ADD2))
+    assert folded == SMALL.num_layers - 1
+    assert not compare_traces(runs[False][1], runs[True][1]) + compare_outputs(runs[False][0], runs[True][0])
+
+
+def test_moe_parts_are_reduced_and_finalize_pieces_split_the_routes():
+    moe = tensor_parallel_model(SMALL, Shards.summed(2)).layers[2].mlp
+    assert isinstance(moe, TPMoE) and moe.D == latent_width(SMALL) == 128
+    y = torch.randn(6, SMALL.hidden_size, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    routed, shared = moe(y, return_parts=True)
+    assert torch.equal(moe(y), routed + shared)
+    assert torch.equal(shared, moe.shared_expert.partial(y, 0) + moe.shared_expert.partial(y, 1))
+    local = [moe.local_pieces(y, r) for r in (0, 1)]
+    owned = (local[0].index >= 0).int() + (local[1].index >= 0).int()
+    assert bool((owned == 1).all())
+    whole = moe.all_pieces(y)
+    assert bool((whole.index >= 0).all())
+
+
+def test_permuted_rows_pad_with_nan_and_mark_remote_routes():
+    cfg = SMALL
+    rnd = _LayerRandom(cfg, 5, role=99, device="cpu")
+    experts = StandInRoutedExperts(64, 8, 3, 32, rnd)
+    z = torch.randn(5, 64, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).float()
+    weights, ids = experts.route(z)
+    owned = experts.owned(1, 2)
+    p = experts.pieces(z, weights, ids, owned)
+    assert owned == range(4, 8)
+    local = torch.tensor([[int(e) in owned for e in row] for row in ids])
+    assert torch.equal(p.index >= 0, local)
+    named = torch.zeros(p.rows.shape[0], dtype=torch.bool)
+    named[p.index[p.index >= 0].long()] = True
+    assert torch.isnan(p.rows[~named].float()).all() and not torch.isnan(p.rows[named].float()).any()
+    for t, j in (p.index >= 0).nonzero().tolist():
+        e = int(ids[t, j])
+        want = torch.nn.functional.silu(z[t] * experts.scale[e] + experts.bias[e]).to(torch.bfloat16)
+        assert torch.equal(p.rows[p.index[t, j]], want)
+    rows, index = permuted_rows(lambda e, t: torch.ones(len(t), 8, dtype=torch.bfloat16), 2,
+                                torch.tensor([[0, 1], [1, 0]], dtype=torch.int32), range(1, 2), 8, "cpu", align=4)
+    assert index.tolist() == [[-1, 0], [1, -1]] and rows.shape == (8, 8)
+
+
+def test_tp_stand_ins_need_enough_width_and_experts():
+    with pytest.raises(ValueError, match="stand-in width"):
+        tensor_parallel_model(SMALL.with_(standin_rank=2), Shards.summed(3))
+    with pytest.raises(ValueError, match="experts cannot be split"):
+        tensor_parallel_model(SMALL.with_(standin_experts=2, standin_top_k=1), Shards.summed(3))
+
+
+# ------------------------------------------------------------------------------------------ the launcher
+def test_forbid_multicast_sets_and_overrides(capfd):
+    env = {"NCCL_NVLS_ENABLE": "1", "OTHER": "x"}
+    overridden = forbid_multicast(env)
+    assert overridden == ["NCCL_NVLS_ENABLE=1"]
+    assert {k: env[k] for k in NO_MULTICAST_ENV} == NO_MULTICAST_ENV and env["OTHER"] == "x"
+    assert "NCCL_NVLS_ENABLE=1" in capfd.readouterr().err
+    assert forbid_multicast(env) == []
+
+
+def test_spawned_ranks_see_torchrun_variables_and_no_multicast():
+    envs = launch(_rank_env, 2)
+    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert all(e[k] == v for e in envs for k, v in NO_MULTICAST_ENV.items())
+    assert not under_torchrun({"RANK": "0"}) and under_torchrun({k: "0" for k in
+                                                                ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                                 "MASTER_PORT")})
+
+
+def _rank_env() -> dict:
+    return {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", *NO_MULTICAST_ENV)}
+
+
+def test_resolve_device():
+    assert resolve_device("cpu", 2) == "cpu"
+    assert resolve_device("auto", 2) == ("cuda" if TWO_GPUS else "cpu")
+    with pytest.raises(ValueError):
+        resolve_device("tpu", 2)
+    if not TWO_GPUS:
+        with pytest.raises(RuntimeError, match="device 'cuda'"):
+            resolve_device("cuda", 2)
+
+
+# ------------------------------------------------------------------------------------------ the benchmark
+def test_bench_tp_on_cpu_runs_the_chain_and_its_checks(tmp_path, capfd):
+    """`python -m attnres.bench tp --device cpu`: two gloo ranks, the five step variants, the checks (fold on ==
+    off, fed chain == the TP model's eager step, ranks identical, latents), a JSON results file."""
+    from attnres.bench.__main__ import main as bench_main
+
+    out = tmp_path / "tp.json"
+    rc = bench_main(["tp", "--device", "cpu", "--tokens", "2", "--repeats", "2", "--layers", "6", "--out", str(out)])
+    text = capfd.readouterr().out
+    assert rc == 0, text
+    data = json.loads(out.read_text())
+    assert data["meta"]["world_size"] == 2 and data["meta"]["backend"] == "gloo"
+    assert {k: data["meta"]["env"][k] for k in NO_MULTICAST_ENV} == NO_MULTICAST_ENV
+    chain = {r["provider"]: r for r in data["records"] if r["kind"] == "chain"}
+    assert set(chain) == {"tp_chain/fold_on", "tp_chain/fold_off", "tp_chain_no_comm/fold_on",
+                          "tp_chain_no_comm/fold_off", "tp_comm_only"}
+    on = chain["tp_chain/fold_on"]
+    assert on["fold_bitwise_equal"] and on["equals_model"] and on["ranks_identical"] and on["latents_equal"]
+    assert on["all_reduces_per_step"] == 2 + 3 * 5 and on["layers"] == 6 and len(on["rank_medians_us"]) == 2
+    assert on["comm_us"] == on["median_us"] - chain["tp_chain_no_comm/fold_on"]["median_us"]
+    ar = [r for r in data["records"] if r["kind"] == "all_reduce"]
+    assert [r["provider"] for r in ar] == ["gloo_all_reduce"] and ar[0]["bytes"] == 2 * on["H"] * 2
+    assert "tp T=2 x2" in text and "fold bitwise equal" in text
+
+
+def test_bench_tp_reports_a_failed_check():
+    from attnres.bench.tp import failed_checks
+
+    good = {"kind": "chain", "provider": "tp_chain/fold_on", "T": 1, "fold_bitwise_equal": True, "equals_model": True,
+            "ranks_identical": True, "latents_equal": True}
+    assert failed_checks([good]) == []
+    for key in ("fold_bitwise_equal", "equals_model", "ranks_identical", "latents_equal"):
+        assert key in failed_checks([{**good, key: False}])[0]
+
+
+def test_bench_tp_needs_two_ranks():
+    from attnres.bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit) as e:
+        bench_main(["tp", "--device", "cpu", "--nproc", "1"])
+    assert e.value.code == 2
