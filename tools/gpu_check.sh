@@ -50,12 +50,16 @@ if has test full && [[ ${CTEST:-1} == 1 ]]; then
 fi
 if has test full; then
   step "pytest (GPU cases run)"
+  # The two-rank NCCL test runs in the tp mode on its own: under 24 loaded xdist workers its spawned ranks
+  # (the real 93-layer config) ran past the per-test timeout on the x2 machine (d528250), while the same checks
+  # took 12 s alone.
   # Only the GPU cases by default (PYTEST_MARK=gpu; CI runs the CPU ones): PYTEST_MARK="" runs everything.
   # -v so the log names every test as it finishes (a crashed or killed worker is then attributable);
   # pytest-timeout's thread method kills a stuck worker and prints every thread's stack (the signal method
   # cannot interrupt a test blocked inside a CUDA call); the whole step is bounded so later steps still run.
   timeout "${PYTEST_WALL:-420}" python3 -m pytest -v -rfE --maxfail=40 -p no:cacheprovider -n "${PYTEST_WORKERS:-8}" \
-    --timeout "${PYTEST_TIMEOUT:-180}" --timeout-method thread --junitxml="$OUT/pytest.xml" -m "${PYTEST_MARK:-gpu}" tests ${PYTEST_ARGS:-} \
+    --timeout "${PYTEST_TIMEOUT:-180}" --timeout-method thread --junitxml="$OUT/pytest.xml" -m "${PYTEST_MARK:-gpu}" \
+    --deselect "tests/test_tp.py::test_two_ranks[nccl-cuda]" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|crashed|Timeout|passed|failed" "$OUT/pytest.log" | tail -45
   if [[ ${QUICK_BENCH:-1} == 1 ]]; then
@@ -108,7 +112,8 @@ if has tp; then
   step "tensor parallelism on two GPUs (NCCL, NVLink multicast off): checks and benchmark"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi topo -m 2>&1 | head -5 | tee "$OUT/topo.txt"
-  timeout "${TP_WALL:-240}" python3 -m attnres.tp check --tokens 1,8 2>&1 | tee "$OUT/tp_check.log" | tail -25 || status=1
+  timeout "${TP_WALL:-240}" python3 -m pytest -v -rfE -p no:cacheprovider "tests/test_tp.py::test_two_ranks[nccl-cuda]" \
+    2>&1 | tee "$OUT/tp_check.log" | tail -8 || status=1
   timeout "${TP_BENCH_WALL:-240}" python3 -m attnres.bench tp --out "$OUT/tp.json" 2>&1 | tail -20 || status=1
 fi
 if has bench full; then

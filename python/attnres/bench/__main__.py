@@ -39,8 +39,8 @@ def main(argv: list[str] | None = None) -> int:
                         "an H200, run on its own: not part of 'all'; --hidden sets H, default 7168); 'tp': the chain "
                         "step under tensor parallelism (2 ranks: under torchrun, or spawned), NCCL all-reduce time "
                         "separated, plus all-reduce and op latencies (docs/tp.md); 'guard': a quick check of key "
-                        "points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of an "
-                        "existing results file (--out) into --plots")
+                        "points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of "
+                        "existing results files (--out, comma-separated) into --plots")
     p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
     p.add_argument("--out", default=None, help="results file (JSON; default bench_results.json; guard: where to "
                                                "write its measurements, none when omitted)")
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "plot":
         from .plots import make_plots
 
-        for path in make_plots(args.out or "bench_results.json", args.plots):
+        for path in make_plots((args.out or "bench_results.json").split(","), args.plots):
             print(path)
         return 0
     if args.device == "cpu" and args.suite not in ("chain", "tp"):

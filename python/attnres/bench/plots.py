@@ -46,16 +46,53 @@ def chain_series(records) -> tuple[dict, dict, dict | None]:
     return {p: sorted(v) for p, v in series.items()}, dict(sorted(saving.items())), (chain[0] if chain else None)
 
 
-def make_plots(results_path: str, out_dir: str) -> list[str]:
+def _load(results_paths: list[str]) -> tuple[list[dict], dict, dict]:
+    """Records of every file, each tagged with its file's meta under "_meta" (files of different commits and
+    machines may be combined: every figure names the run its points come from), the first file's meta, and the
+    floors of the files that measured them (launch floor, copy bandwidth)."""
+    records, floors, first_meta = [], {}, None
+    for path in results_paths:
+        data = json.load(open(path))
+        first_meta = first_meta or data["meta"]
+        for key, value in data.get("floors", {}).items():
+            floors.setdefault(key, value)
+        records += [{**r, "_meta": data["meta"]} for r in data["records"]]
+    return records, first_meta or {}, floors
+
+
+def _tag(records: list[dict]) -> str:
+    runs = sorted({(r["_meta"].get("gpu") or "CPU", r["_meta"]["commit"]) for r in records})
+    return "; ".join(f"{gpu}, commit {commit}" for gpu, commit in runs)
+
+
+def bandwidth_series(records) -> dict:
+    """GB/s over the bytes each op must move vs T at N = 9, H = 7168: the per-token kernels from the decode
+    sweep, the persistent suite's providers (with and without the addend) where it ran."""
+    series = defaultdict(list)
+    for r in records:
+        if r.get("suite") == "decode" and r["N"] == 9 and r["provider"].startswith("attnres/") and r.get("bytes"):
+            series[f"{r['provider']} (decode sweep)"].append((r["T"], r["bytes"] / (r["median_us"] * 1e-6) / 1e9,
+                                                               r["bytes"] / (r["p90_us"] * 1e-6) / 1e9,
+                                                               r["bytes"] / (r["p10_us"] * 1e-6) / 1e9))
+        if r.get("suite") == "persistent" and r["N"] == 9 and r.get("gbps"):
+            name = f"{r['provider']} ({'add' if r.get('add') else 'no add'})"
+            series[name].append((r["T"], r["gbps"], r["bytes"] / (r["p90_us"] * 1e-6) / 1e9,
+                                 r["bytes"] / (r["p10_us"] * 1e-6) / 1e9))
+    return {k: sorted(v) for k, v in series.items()}
+
+
+def make_plots(results_paths: list[str] | str, out_dir: str) -> list[str]:
+    """Draws every figure whose suite is in the given results files (a figure without points is not drawn, so
+    plotting one suite's file leaves the others' PNGs alone)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.load(open(results_path))
-    meta, records = data["meta"], data["records"]
-    floor = data.get("floors", {}).get("launch", {}).get("median_us")
-    tag = f"{meta['gpu']}, commit {meta['commit']}"
+    if isinstance(results_paths, str):
+        results_paths = [results_paths]
+    records, _, floors = _load(results_paths)
+    floor = floors.get("launch", {}).get("median_us")
     os.makedirs(out_dir, exist_ok=True)
     written = []
 
@@ -66,22 +103,42 @@ def make_plots(results_path: str, out_dir: str) -> list[str]:
         plt.close(fig)
         written.append(path)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    _plot(ax, _decode_series(records, "N", "T", 1), "N (candidates)", f"attn_res_add_rmsnorm step, T = 1, H = 7168 — {tag}", floor)
-    save(fig, "us_vs_N_T1.png")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    _plot(ax, _decode_series(records, "T", "N", 9), "T (tokens)", f"attn_res_add_rmsnorm step, N = 9, H = 7168 — {tag}", floor)
-    ax.set_xscale("log", base=2)
-    save(fig, "us_vs_T_N9.png")
+    decode = [r for r in records if r.get("suite") == "decode"]
+    if decode:
+        tag = _tag(decode)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _plot(ax, _decode_series(decode, "N", "T", 1), "N (candidates)",
+              f"attn_res_add_rmsnorm step, T = 1, H = 7168 — {tag}", floor)
+        save(fig, "us_vs_N_T1.png")
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _plot(ax, _decode_series(decode, "T", "N", 9), "T (tokens)",
+              f"attn_res_add_rmsnorm step, N = 9, H = 7168 — {tag}", floor)
+        ax.set_xscale("log", base=2)
+        save(fig, "us_vs_T_N9.png")
+
+    bandwidth = bandwidth_series(records)
+    if bandwidth:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        _plot(ax, bandwidth, "T (tokens)", "GB/s over the bytes the op must move, N = 9, H = 7168\n— "
+              + _tag([r for r in records if r.get("suite") in ("decode", "persistent")]))
+        ax.set_ylabel("GB/s")
+        ax.set_xscale("log", base=2)
+        copy_tbs = floors.get("copy_tbs")
+        if copy_tbs:
+            ax.axhline(copy_tbs * 1000, color="gray", ls="--", label=f"measured copy bandwidth {copy_tbs:.2f} TB/s")
+            ax.axhline(0.85 * copy_tbs * 1000, color="gray", ls=":", label="P5: 85% of it")
+            ax.legend(fontsize=7)
+        save(fig, "gbps_vs_T_N9.png")
 
     tune = defaultdict(list)
-    for r in records:
+    tune_records = [r for r in records if r.get("suite") == "tune"]
+    for r in tune_records:
         if r.get("suite") == "tune" and r["H"] == 7168 and r["T"] == 1:
             tune[r["provider"]].append((r["N"], r["median_us"], r["p10_us"], r["p90_us"]))
     if tune:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         _plot(ax, {k: sorted(v) for k, v in tune.items() if not k.startswith("auto")}, "N (candidates)",
-              f"kernel geometry sweep (add2), T = 1, H = 7168 — {tag}")
+              f"kernel geometry sweep (add2), T = 1, H = 7168 — {_tag(tune_records)}")
         save(fig, "kernel_sweep_T1.png")
 
     fin = defaultdict(list)
@@ -90,7 +147,8 @@ def make_plots(results_path: str, out_dir: str) -> list[str]:
             fin[r["provider"]].append((r["T"], r["median_us"], r["p10_us"], r["p90_us"]))
     if fin:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        _plot(ax, {k: sorted(v) for k, v in fin.items()}, "T (tokens)", f"MoE finalize, k = 16, D = 3584 — {tag}")
+        _plot(ax, {k: sorted(v) for k, v in fin.items()}, "T (tokens)",
+              f"MoE finalize, k = 16, D = 3584 — {_tag([r for r in records if r.get('suite') == 'finalize'])}")
         ax.set_xscale("log", base=2)
         save(fig, "moe_finalize.png")
 
@@ -98,7 +156,7 @@ def make_plots(results_path: str, out_dir: str) -> list[str]:
     if first:
         how = ("CUDA-graph replay, one graph per step" if first.get("graph")
                else "CPU eager, wall clock: not a measurement")
-        where = f"{meta.get('gpu') or 'CPU'}, commit {meta['commit']}"
+        where = _tag([r for r in records if r.get("suite") == "chain"])
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
         _plot(left, series, "T (tokens)", f"decode chain, {first['layers']} layers, H = {first['H']}, sites + MoE-tail "
                                          f"adds only\n{how} — {where}")
