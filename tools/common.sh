@@ -23,7 +23,7 @@ JOBS=$(nproc 2>/dev/null || echo 2)
 
 # Exact pins where the build depends on them (nanobind's ABI, scikit-build-core's options); torch pinned
 # because an unpinned one resolves to a multi-GB CUDA wheel (2.13.0 is the CPU build on the CI mirror).
-PYTHON_DEPS=(torch==2.13.0 nanobind==3.1.0 scikit-build-core==1.1.2 numpy pytest hypothesis pytest-xdist ninja)
+PYTHON_DEPS=(torch==2.13.0 nanobind==3.1.0 scikit-build-core==1.1.2 numpy pytest hypothesis pytest-xdist ninja matplotlib)
 
 log() { printf '[attnres] %s\n' "$*" >&2; }
 

@@ -26,7 +26,7 @@ import torch
 import attnres
 
 from .timing import capture, rotating_sets, time_interleaved
-from .workloads import EPS, make_sets
+from .workloads import EPS, compiled, make_sets, torch_attn_res_step
 
 TOKENS = (32, 64, 128, 256, 512, 1024, 4096, 16384, 32768)
 CANDIDATES = (2, 5, 9, 12)
@@ -49,31 +49,6 @@ def points(quick: bool = False) -> list[tuple[int, int, bool]]:
     return [(T, N, add) for add in (True, False) for N in cands for T in tokens]
 
 
-def torch_attn_res_step(prefix, add, bank, res_weight, rms_weight, norm_weight, rms_eps: float = EPS,
-                        norm_eps: float = EPS):
-    """The one-addend step as a PyTorch user writes it (fp32 math, the contract's roundings)."""
-    updated = prefix if add is None else prefix + add
-    V = torch.cat([bank, updated.unsqueeze(0)], 0).float()  # [N, T, H]
-    q = rms_weight.float() * res_weight.float()
-    rsigma = torch.rsqrt(V.pow(2).mean(-1) + rms_eps)  # [N, T]
-    probs = torch.softmax(rsigma * (V @ q), dim=0)
-    mixture = (probs.unsqueeze(-1) * V).sum(0).to(torch.bfloat16)
-    x = mixture.float()
-    normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm_eps)).to(torch.bfloat16)
-    return updated, (normed.float() * norm_weight.float()).to(torch.bfloat16)
-
-
-_compiled = None
-
-
-def compiled_step():
-    """torch.compile of torch_attn_res_step (inductor, dynamic shapes: compiled once per addend form)."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(torch_attn_res_step, dynamic=True)
-    return _compiled
-
-
 def _call(s, provider: str, add: bool, pdl: bool) -> Callable[[], object]:
     w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
     addend = s.routed if add else None
@@ -87,7 +62,7 @@ def _call(s, provider: str, add: bool, pdl: bool) -> Callable[[], object]:
             return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=opts)
         return lambda: attnres.attn_res_rmsnorm(s.prefix, s.bank, *w, options=opts)
     if provider == "torch_compile_step":
-        fn = compiled_step()
+        fn = compiled(torch_attn_res_step)
         return lambda: fn(s.prefix, addend, s.bank, s.res_weight, s.rms_weight, s.norm_weight)
     raise ValueError(f"unknown provider {provider!r}")
 

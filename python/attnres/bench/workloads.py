@@ -63,10 +63,11 @@ def eager_tail_adds(s: StepSet) -> Callable[[], object]:
     return lambda: s.prefix + (s.routed + s.shared)
 
 
-def torch_step(prefix, routed, shared, bank, res_weight, rms_weight, norm_weight, rms_eps: float = EPS,
-               norm_eps: float = EPS):
-    """The step as a PyTorch user writes it (fp32 math, the contract's roundings): what attnres replaces."""
-    updated = prefix + (routed + shared)
+def torch_attn_res_step(prefix, add, bank, res_weight, rms_weight, norm_weight, rms_eps: float = EPS,
+                        norm_eps: float = EPS):
+    """The step as a PyTorch user writes it (fp32 math, the contract's roundings), with one addend or none
+    (add=None): what attnres replaces."""
+    updated = prefix if add is None else prefix + add
     V = torch.cat([bank, updated.unsqueeze(0)], 0).float()  # [N, T, H]
     q = rms_weight.float() * res_weight.float()
     rsigma = torch.rsqrt(V.pow(2).mean(-1) + rms_eps)  # [N, T]
@@ -77,15 +78,26 @@ def torch_step(prefix, routed, shared, bank, res_weight, rms_weight, norm_weight
     return updated, (normed.float() * norm_weight.float()).to(BF16)
 
 
-_compiled_step = None
+def torch_step(prefix, routed, shared, bank, res_weight, rms_weight, norm_weight, rms_eps: float = EPS,
+               norm_eps: float = EPS):
+    """The MoE-tail step: prefix + (routed + shared), then the one-addend step's mixture and norm."""
+    return torch_attn_res_step(prefix, routed + shared, bank, res_weight, rms_weight, norm_weight, rms_eps, norm_eps)
+
+
+_compiled: dict = {}
+
+
+def compiled(fn=None):
+    """torch.compile of a step function (inductor, dynamic shapes: compiled once per function for a sweep)."""
+    fn = fn or torch_step
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
 
 
 def compiled_step():
-    """torch.compile of torch_step (inductor, dynamic shapes: compiled once for the whole sweep)."""
-    global _compiled_step
-    if _compiled_step is None:
-        _compiled_step = torch.compile(torch_step, dynamic=True)
-    return _compiled_step
+    """torch.compile of torch_step."""
+    return compiled(torch_step)
 
 
 def torch_step_call(s: StepSet, compiled: bool) -> Callable[[], object]:
