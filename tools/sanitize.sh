@@ -21,7 +21,7 @@
 # memcheck and initcheck instrument every kernel (PyTorch's too: a torch kernel reading an output element our
 # kernel never wrote is a finding of ours, and writes by uninstrumented kernels would look uninitialized to
 # initcheck); initcheck runs with --track-unused-memory no. racecheck and synccheck instrument only the
-# library's kernels (attn_res_per_token*, moe_finalize*) when this compute-sanitizer has a regex kernel filter
+# library's kernels (attn_res_per_token*, attn_res_persistent*, moe_finalize*) when this compute-sanitizer has a regex kernel filter
 # (PyTorch's kernels are slow under racecheck and not ours to judge). The summary breaks every tool's findings
 # down by kernel name.
 #
@@ -74,7 +74,7 @@ has_opt "--require-cuda-init" && COMMON+=(--require-cuda-init no)
 if [[ -n ${SANITIZE_KERNEL_FILTER:-} ]]; then
   KFILTER=$SANITIZE_KERNEL_FILTER
 elif has_opt "kernel_regex"; then
-  KFILTER="kernel_regex=.*(attn_res_per_token|moe_finalize).*"  # matches as a search or as a full match
+  KFILTER="kernel_regex=.*(attn_res_per_token|attn_res_persistent|moe_finalize).*"  # a search or a full match
 else
   KFILTER=none
 fi
@@ -106,7 +106,11 @@ k_main() {  # $1 size
       moe="cuda_matches_cpu or T1-k32-D16384 or T4-k32-D3584 or T33-k8-D7168 or T8-k16-D8 or remote_routes or all_remote or out_of_range"
       chain="fold_is_bitwise_invisible and snapshot_major and not kimi_block" ;;
   esac
-  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)))"
+  # The persistent kernel (its shared-memory ring is what racecheck and synccheck are for): the subnormal case
+  # and the decline path always, the oracle grid's T = 33 and T = 300 cases from medium up.
+  local persistent="subnormal_sums or add2_is_declined"
+  [[ $1 != small ]] && persistent="$persistent or (against_the_oracle and (T33 or T300))"
+  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)) or (test_persistent and ($persistent)))"
 }
 k_graph() {
   case $1 in
@@ -115,10 +119,10 @@ k_graph() {
     *) echo "(test_cuda_graphs_pdl and (1-5-7168 or 8-3-2304 or newest_bank_row or first_call_inside or callers_stream)) or (test_moe_finalize and graph) or (test_stress and calls_on_cuda_streams)" ;;
   esac
 }
-MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py)
+MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py tests/test_persistent.py)
 GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py)
 GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
-GTEST_RACE=${SANITIZE_GTEST_FILTER_RACECHECK:-*AddDecodeT1*:*Add2TokenMajorT32*:*Add2SmallPadded*:*DeterministicWithAndWithoutPdlAndInAGraph*}
+GTEST_RACE=${SANITIZE_GTEST_FILTER_RACECHECK:-*AddDecodeT1*:*Add2TokenMajorT32*:*Add2SmallPadded*:*DeterministicWithAndWithoutPdlAndInAGraph*:GpuPersistent.SubnormalsKept:GpuPersistent.GraphReplayEqualsEager}
 GTEST_MOE=${SANITIZE_GTEST_FILTER_MOE:-MoeFinalizeGpu.*}
 
 # ---------------------------------------------------------------------------------------- running a step
