@@ -254,18 +254,7 @@ TEST(CpuDeterminism, TokenResultIndependentOfBatch) {
   cfg.seed = test_seed();
   const Case batch = run_cpu(Case(cfg));
   for (int64_t t = 0; t < cfg.T; ++t) {
-    Config one_cfg = cfg;
-    one_cfg.T = 1;
-    Case one(one_cfg);
-    for (int64_t h = 0; h < cfg.H; ++h) {
-      one.layer_residual.at(0, h) = batch.layer_residual.at(t, h);
-      one.add.at(0, h) = batch.add.at(t, h);
-      one.add2.at(0, h) = batch.add2.at(t, h);
-      for (int64_t k = 0; k < cfg.K; ++k) one.bank.at(k, 0, h) = batch.bank.at(k, t, h);
-    }
-    one.res_weight = batch.res_weight;
-    one.rms_weight = batch.rms_weight;
-    one.norm_weight = batch.norm_weight;
+    Case one = token_case(batch, t);
     one = run_cpu(one);
     auto row = [&](const Buffer& b, int64_t i) {
       std::vector<uint16_t> out;

@@ -163,6 +163,26 @@ Case run_gpu(const Case& c, const Options& o) {
   return mirror.download();
 }
 
+// The call captured once in a CUDA graph and replayed `replays` times on fresh device copies of the inputs;
+// returns what the replays left (the plan runs first, so its device query stays outside the capture).
+Case run_gpu_graph(const Case& c, const Options& o, int replays) {
+  Stream stream;
+  DeviceMirror mirror(c);
+  const AttnResArgs a = mirror.args(stream.get());
+  attnres::plan(c.cfg.op, a, o);
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+  attnres::run(c.cfg.op, a, o);
+  cuda_ok(cudaStreamEndCapture(stream.get(), &graph), "cudaStreamEndCapture");
+  cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+  for (int replay = 0; replay < replays; ++replay) cuda_ok(cudaGraphLaunch(exec, stream.get()), "cudaGraphLaunch");
+  stream.sync();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return mirror.download();
+}
+
 Case run_cpu(const Case& c) {
   Case out = c;
   attnres::run(c.cfg.op, out.args());
@@ -273,24 +293,9 @@ TEST_P(GpuKernel, DeterministicWithAndWithoutPdlAndInAGraph) {
   EXPECT_TRUE(storage_unchanged(first, run_gpu(before, forced(GetParam(), true)))) << "second run";
   EXPECT_TRUE(storage_unchanged(first, run_gpu(before, forced(GetParam(), false)))) << "PDL off";
 
-  for (bool pdl : {true, false}) {
-    Stream stream;
-    DeviceMirror mirror(before);
-    const AttnResArgs a = mirror.args(stream.get());
-    const Options o = forced(GetParam(), pdl);
-    attnres::plan(cfg.op, a, o);  // device query outside the capture
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
-    attnres::run(cfg.op, a, o);
-    cuda_ok(cudaStreamEndCapture(stream.get(), &graph), "cudaStreamEndCapture");
-    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-    for (int replay = 0; replay < 2; ++replay) cuda_ok(cudaGraphLaunch(exec, stream.get()), "cudaGraphLaunch");
-    stream.sync();
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    EXPECT_TRUE(storage_unchanged(first, mirror.download())) << "graph replay, PDL " << pdl;
-  }
+  for (bool pdl : {true, false})
+    EXPECT_TRUE(storage_unchanged(first, run_gpu_graph(before, forced(GetParam(), pdl), 2)))
+        << "graph replay, PDL " << pdl;
 }
 
 // A token's result depends on neither T nor its position in the call.
@@ -300,18 +305,7 @@ TEST_P(GpuKernel, TokenResultIndependentOfBatch) {
   cfg.seed = test_seed(static_cast<uint64_t>(GetParam()));
   const Case batch = run_gpu(Case(cfg), forced(GetParam()));
   for (int64_t t : {int64_t{0}, int64_t{4}, int64_t{8}}) {
-    Config one_cfg = cfg;
-    one_cfg.T = 1;
-    Case one(one_cfg);
-    for (int64_t h = 0; h < cfg.H; ++h) {
-      one.layer_residual.at(0, h) = batch.layer_residual.at(t, h);
-      one.add.at(0, h) = batch.add.at(t, h);
-      one.add2.at(0, h) = batch.add2.at(t, h);
-      for (int64_t k = 0; k < cfg.K; ++k) one.bank.at(k, 0, h) = batch.bank.at(k, t, h);
-    }
-    one.res_weight = batch.res_weight;
-    one.rms_weight = batch.rms_weight;
-    one.norm_weight = batch.norm_weight;
+    const Case one = token_case(batch, t);
     const Case single = run_gpu(one, forced(GetParam()));
     for (int64_t h = 0; h < cfg.H; ++h) {
       ASSERT_EQ(single.output.at(0, h), batch.output.at(t, h)) << "output, token " << t << " h " << h;
@@ -485,24 +479,9 @@ TEST(GpuPersistent, GraphReplayEqualsEager) {
   cfg.seed = test_seed();
   const Case before(cfg);
   const Case eager = run_gpu(before, persistent_topology());
-  for (bool pdl : {true, false}) {
-    Stream stream;
-    DeviceMirror mirror(before);
-    const AttnResArgs a = mirror.args(stream.get());
-    const Options o = persistent_topology(pdl);
-    attnres::plan(cfg.op, a, o);  // device query outside the capture
-    cudaGraph_t graph = nullptr;
-    cudaGraphExec_t exec = nullptr;
-    cuda_ok(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
-    attnres::run(cfg.op, a, o);
-    cuda_ok(cudaStreamEndCapture(stream.get(), &graph), "cudaStreamEndCapture");
-    cuda_ok(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
-    for (int replay = 0; replay < 3; ++replay) cuda_ok(cudaGraphLaunch(exec, stream.get()), "cudaGraphLaunch");
-    stream.sync();
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    EXPECT_TRUE(storage_unchanged(eager, mirror.download())) << "graph replay, PDL " << pdl;
-  }
+  for (bool pdl : {true, false})
+    EXPECT_TRUE(storage_unchanged(eager, run_gpu_graph(before, persistent_topology(pdl), 3)))
+        << "graph replay, PDL " << pdl;
 }
 
 // A token's result depends on neither T, nor its position, nor the block (and lap) that runs it.
@@ -512,17 +491,7 @@ TEST(GpuPersistent, TokenResultIndependentOfBatch) {
   cfg.seed = test_seed();
   const Case batch = run_gpu(Case(cfg), Options{});
   for (int64_t t : {int64_t{0}, int64_t{131}, int64_t{132}, int64_t{265}, int64_t{399}}) {
-    Config one_cfg = cfg;
-    one_cfg.T = 1;
-    Case one(one_cfg);
-    for (int64_t h = 0; h < cfg.H; ++h) {
-      one.layer_residual.at(0, h) = batch.layer_residual.at(t, h);
-      one.add.at(0, h) = batch.add.at(t, h);
-      for (int64_t k = 0; k < cfg.K; ++k) one.bank.at(k, 0, h) = batch.bank.at(k, t, h);
-    }
-    one.res_weight = batch.res_weight;
-    one.rms_weight = batch.rms_weight;
-    one.norm_weight = batch.norm_weight;
+    const Case one = token_case(batch, t);
     const Case single = run_gpu(one, Options{});
     for (int64_t h = 0; h < cfg.H; ++h) {
       ASSERT_EQ(single.output.at(0, h), batch.output.at(t, h)) << "output, token " << t << " h " << h;

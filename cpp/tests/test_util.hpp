@@ -458,6 +458,24 @@ inline ::testing::AssertionResult bits_equal(const std::vector<uint16_t>& actual
   return ::testing::AssertionSuccess();
 }
 
+// A one-token case holding token t of `batch`'s inputs (prefix, addends, bank rows) and its weights: the
+// input of the "a token's result does not depend on T or its position" tests.
+inline Case token_case(const Case& batch, int64_t t) {
+  Config one_cfg = batch.cfg;
+  one_cfg.T = 1;
+  Case one(one_cfg);
+  for (int64_t h = 0; h < batch.cfg.H; ++h) {
+    one.layer_residual.at(0, h) = batch.layer_residual.at(t, h);
+    if (batch.add.present) one.add.at(0, h) = batch.add.at(t, h);
+    if (batch.add2.present) one.add2.at(0, h) = batch.add2.at(t, h);
+    for (int64_t k = 0; k < batch.cfg.K; ++k) one.bank.at(k, 0, h) = batch.bank.at(k, t, h);
+  }
+  one.res_weight = batch.res_weight;
+  one.rms_weight = batch.rms_weight;
+  one.norm_weight = batch.norm_weight;
+  return one;
+}
+
 // The [T, H] rows a snapshot write targets: bank row `slot` of every token.
 inline Buffer bank_row_view(const Case& c, int64_t slot) {
   Buffer v = c.bank;
