@@ -97,7 +97,7 @@ if has smoke; then
 fi
 if has chain; then
   step "decode-chain benchmark (P6) and the regression guard"
-  timeout "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
+  timeout -s INT -k 20 "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
   if [[ ${GUARD:-1} == 1 ]]; then
     timeout 120 python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" \
       2>&1 | tail -14
@@ -105,7 +105,7 @@ if has chain; then
 fi
 if has persistent; then
   step "persistent-kernel benchmark (P5, per-token/persistent crossover)"
-  timeout "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
+  timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
 fi
 if has tp; then
