@@ -131,6 +131,8 @@ if has sanitize; then
   step "compute-sanitizer: memcheck, racecheck, synccheck, initcheck (tools/sanitize.sh)"
   OUT="$OUT" SANITIZE_BUDGET_S=${SANITIZE_BUDGET_S:-450} tools/sanitize.sh >"$OUT/sanitize.log" 2>&1 || status=1
   tail -45 "$OUT/sanitize_summary.txt"
+  # One archive: the device tool returns only a few files from $OUT.
+  tar czf "$OUT/sanitize_logs.tgz" -C "$OUT" sanitize && rm -rf "$OUT/sanitize"
 fi
 
 if has stress; then

@@ -369,6 +369,24 @@ TEST_P(GpuKernel, MisalignedDevicePointerRefused) {
   EXPECT_TRUE(storage_unchanged(before, mirror.download()));
 }
 
+// split_k at H <= 1024 runs a cluster of one block, which exchanges nothing (st.async into a one-block cluster is
+// invalid: compute-sanitizer memcheck, 2026-11-30) and must give single_cta's bits: the same thread-to-vector
+// map, warp reduction and warp order, and a rank sum of one value is that value. Every mode, N in one bucket.
+TEST(GpuSplitK, OneBlockClusterGivesSingleCtaBits) {
+  REQUIRE_HOPPER();
+  for (const Config& base : {make(A, 5, 3, 1024, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; c.bank_rows = 4; }),
+                             make(A, 3, 2, 64, [](Config& c) { c.pad = 8; }), make(N, 4, 1, 1000),
+                             make(R, 2, 3, 512)}) {
+    Config cfg = base;
+    cfg.seed = test_seed(static_cast<uint64_t>(cfg.H));
+    const Case before(cfg);
+    ASSERT_EQ(plan_on_gpu(before, forced(KernelKind::split_k)).cluster, 1) << "H = " << cfg.H;
+    const Case split = run_gpu(before, forced(KernelKind::split_k));
+    EXPECT_TRUE(storage_unchanged(split, run_gpu(before, forced(KernelKind::single_cta)))) << "H = " << cfg.H;
+    expect_gpu_matches_cpu(before, split);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, GpuKernel, ::testing::Values(KernelKind::single_cta, KernelKind::split_k),
                          [](const ::testing::TestParamInfo<KernelKind>& info) {
                            return std::string(attnres::kernel_name(info.param));

@@ -168,8 +168,12 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
   }
   __syncthreads();
-  if constexpr (CLUSTER) {
-    cluster_wait();  // every peer's mbarriers are initialised
+  if constexpr (CLUSTER) cluster_wait();  // every peer's mbarriers are initialised (pairs with the arrive)
+  // A cluster of one block (split_k at H <= 1024) takes the single-block path: st.async into a cluster of
+  // one block is invalid (compute-sanitizer memcheck, 2026-11-30). The bits are the same: the rank-ordered
+  // sum of one value is 0 + v = v (v is never -0, it is itself a sum that started at +0).
+  const bool exchange = CLUSTER && ranks > 1;
+  if (exchange) {
     if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
     if (tid < 2 * N)
       push_to_ranks(&recv_part[rank][tid], &bars[0], ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps),
@@ -254,7 +258,7 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     if (lane == 0) warp_sq[warp] = sq;
     __syncthreads();
     float total;
-    if constexpr (CLUSTER) {
+    if (exchange) {
       if (tid == 0) {
         mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
         push_to_ranks(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), ranks);
