@@ -30,7 +30,7 @@
 #   SANITIZE_TOOLS               default "memcheck racecheck initcheck synccheck"
 #   SANITIZE_SIZE_<TOOL>         small | medium | large: how many pytest cases the tool runs (defaults: memcheck
 #                                medium; racecheck, synccheck, initcheck small); SANITIZE_SIZE sets all four
-#   SANITIZE_STRESS_CALLS        random calls of (c) (default 300; 0 skips)
+#   SANITIZE_STRESS_CALLS        random calls of (c) (default 100: 300 did not finish in 123 s; 0 skips)
 #   SANITIZE_STEP_TIMEOUT        seconds per sanitizer process (default 150)
 #   SANITIZE_BUDGET_S            overall seconds; steps that would start later are reported as not run (default 470)
 #   SANITIZE_K_MAIN, SANITIZE_K_GRAPH   override the pytest -k expressions of (b)
@@ -53,7 +53,7 @@ size_of() {  # $1 tool
   [[ $1 == memcheck ]] && def=medium
   echo "${!var:-${SANITIZE_SIZE:-$def}}"
 }
-STRESS_CALLS=${SANITIZE_STRESS_CALLS:-300}
+STRESS_CALLS=${SANITIZE_STRESS_CALLS:-100}
 STEP_TIMEOUT=${SANITIZE_STEP_TIMEOUT:-150}
 BUDGET=${SANITIZE_BUDGET_S:-470}
 CTEST_DIR=${SANITIZE_CTEST_DIR:-build/ctest}
@@ -82,7 +82,7 @@ fi
 tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the library's kernels)
   TOOL_OPTS=()
   case $1 in
-    memcheck) TOOL_OPTS=(--leak-check full); has_opt "--padding" && TOOL_OPTS+=(--padding 32) ;;
+    memcheck) has_opt "--padding" && TOOL_OPTS=(--padding 32) ;;
     initcheck) has_opt "--track-unused-memory" && TOOL_OPTS=(--track-unused-memory no) ;;
     racecheck | synccheck) [[ $KFILTER != none ]] && TOOL_OPTS=(--kernel-name "$KFILTER") ;;
   esac
@@ -222,7 +222,11 @@ for tool in $TOOLS; do
     fi
     filter=$gfilter
     [[ $suite == test_moe_finalize ]] && filter=$GTEST_MOE
-    run_step "$tool" "gtest_$suite" "$bin" --gtest_filter="$filter"
+    # Leaks are judged on our own binaries only: a Python process exits without freeing PyTorch's device and
+    # pinned allocations, which --leak-check reports by the thousand (2026-11-30: 4,664 "errors", all leaks).
+    leak=()
+    [[ $tool == memcheck ]] && leak=(--leak-check full)
+    run_step "$tool" "gtest_$suite" "${leak[@]}" "$bin" --gtest_filter="$filter"
   done
 
   # (b) pytest: the non-graph subset (uncached allocations where the tool reads allocations), then graphs
