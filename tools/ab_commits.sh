@@ -5,7 +5,7 @@
 # was measured on another machine: same-run references do not see every machine difference (cluster kernels
 # depend on the GPU's GPC layout, elementwise kernels do not).
 set -euo pipefail
-old=${1:?usage: tools/ab_commits.sh OLD_SOURCE_TREE [repeats]}
+old=$(realpath "${1:?usage: tools/ab_commits.sh OLD_SOURCE_TREE [repeats]}")  # a path, not a requirement name
 target=${AB_TARGET:-/tmp/attnres_ab_old}
 CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON" python3 -m pip install --no-build-isolation --no-deps \
   -q --target "$target" "$old" >"${OUT:-.}/ab_old_build.log" 2>&1
