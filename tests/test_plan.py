@@ -122,6 +122,25 @@ def test_split_topology_routes_by_token_count(device):
         assert p.kernel == ("cpu" if device == "cpu" else "persistent"), (T, p)
 
 
+def test_default_split_ceiling_is_the_measured_crossover(device):
+    """One default (the C++ library's, 64 from the H200 crossover) in attnres.Options, the custom ops' schemas and
+    the plan: split sends T <= 64 to the per-token kernels and T = 65 to the persistent one."""
+    import torch
+
+    assert attnres.Options().split_max_tokens == attnres._C.Options().split_max_tokens == 64
+    for op in ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_snapshot"):
+        schema = getattr(torch.ops.attnres, op).default._schema
+        assert [a.default_value for a in schema.arguments if a.name == "split_max_tokens"] == [64], op
+    split = attnres.Options(topology="split")
+    for T, persistent in ((64, False), (65, True)):
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
+                         options=split)
+        if device == "cuda":
+            assert (p.kernel == "persistent") == persistent, (T, p)
+        else:
+            assert p.kernel == "cpu", (T, p)
+
+
 def test_split_ceiling_zero_sends_every_call_to_persistent(device):
     p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=3, hidden=64, device=device, add=True, add2=True,
                      options=attnres.Options(topology="split", split_max_tokens=0))

@@ -12,7 +12,10 @@ from torch import Tensor
 
 from . import _C
 from ._tensors import ref, ref_leading_rows, stream_of
-from .options import Options
+from .options import DEFAULT as _DEFAULT_OPTIONS, Options
+
+# The schemas' defaults are the library's (attnres::Options in attn_res.hpp, through attnres.Options).
+_SPLIT_MAX_TOKENS = _DEFAULT_OPTIONS.split_max_tokens
 
 _OPS = _C.AttnResOp
 
@@ -56,7 +59,7 @@ def attn_res_op(
     rms_weight: Tensor,
     rms_eps: float,
     topology: str = "per_token",
-    split_max_tokens: int = 32,
+    split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
     cluster: int = 0,
@@ -101,7 +104,7 @@ def attn_res_rmsnorm_op(
     norm_eps: float,
     return_mixture: bool = False,
     topology: str = "per_token",
-    split_max_tokens: int = 32,
+    split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
     cluster: int = 0,
@@ -170,7 +173,7 @@ def attn_res_add_rmsnorm_op(
     norm_eps: float,
     return_mixture: bool = False,
     topology: str = "per_token",
-    split_max_tokens: int = 32,
+    split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
     cluster: int = 0,
@@ -221,7 +224,7 @@ def attn_res_add_rmsnorm_snapshot_op(
     norm_eps: float,
     return_mixture: bool = False,
     topology: str = "per_token",
-    split_max_tokens: int = 32,
+    split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
     cluster: int = 0,
@@ -255,7 +258,7 @@ def attn_res_add_rmsnorm_persistent_op(
     rms_eps: float,
     norm_eps: float,
     topology: str = "persistent",
-    split_max_tokens: int = 32,
+    split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
     cluster: int = 0,

@@ -14,7 +14,8 @@ KERNELS = ("auto", "cpu", "single_cta", "split_k", "persistent")
 @dataclass(frozen=True)
 class Options:
     topology: str = "per_token"  # per_token | persistent | split
-    split_max_tokens: int = 32  # topology "split": per-token kernels up to this T, persistent above
+    # topology "split": per-token kernels up to this T, persistent above (the default is the C++ library's)
+    split_max_tokens: int = _C.Options().split_max_tokens
     pdl: bool = True  # programmatic dependent launch on the CUDA kernels
     kernel: str = "auto"  # force a kernel: auto | cpu | single_cta | split_k | persistent
     cluster: int = 0  # split_k cluster size (0: the measured default)
