@@ -10,7 +10,8 @@
 #   (b) a focused pytest subset of the CUDA cases: the kernels against the oracle (decode, odd H, T > 32,
 #       H = 16384, N = 1, every kernel), the bitwise properties, MoE finalize, the decode chain with the fold
 #       (small config), and — in a process of its own, see below — CUDA graphs and PDL chaining;
-#   (c) memcheck only: a short random-shape stress run (python -m attnres.stress calls, no graphs).
+#   (c) memcheck only: a short random-shape stress run (python -m attnres.stress calls, no graphs);
+#   (d) racecheck only: tools/racecheck_probe.cu, the persistent ring's protocol in one block, correct and racy.
 # each as `compute-sanitizer --tool X --target-processes all --error-exitcode 99 ...`.
 #
 # Allocations. PyTorch's caching allocator hands out sub-blocks of large cudaMalloc segments: memcheck cannot
@@ -198,6 +199,19 @@ run_step() {  # $1 tool, $2 step name, rest: the command (run under the sanitize
   echo "   $status, errors $errors, ${dt}s, $tests"
 }
 
+label_last() {  # pairs of (from, to): relabel the status of the last summary row
+  while (( $# >= 2 )); do ROWS[-1]=${ROWS[-1]/"$1"/"$2"}; shift 2; done
+}
+
+build_probe() {  # -> path of tools/racecheck_probe.cu built for sm_90 (nothing when nvcc is missing or fails)
+  local nvcc out=${TMPDIR:-/tmp}/attnres_racecheck_probe
+  nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  [[ -x $nvcc ]] || return 1
+  "$nvcc" -arch=sm_90 -lineinfo -std=c++17 -I cpp/src -I cpp/include tools/racecheck_probe.cu -o "$out" \
+    >>"$LOGS/build.log" 2>&1 || return 1
+  echo "$out"
+}
+
 gtest_bin() {  # $1 binary name -> path, building it if the ctest tree exists but lacks it
   local bin=$CTEST_DIR/cpp/tests/$1
   if [[ ! -x $bin && -d $CTEST_DIR ]]; then
@@ -241,6 +255,23 @@ for tool in $TOOLS; do
     # Shared memory and barriers do not depend on the allocator: one process, graphs included.
     run_step "$tool" pytest "${pytest_cmd[@]}" -k "($kmain) or ($kgraph)" \
       $(printf '%s\n' "${MAIN_FILES[@]}" "${GRAPH_FILES[@]}" | sort -u)
+  fi
+
+  # (d) racecheck only: does this racecheck order a bulk copy before the reads that wait for it? The probe
+  # (tools/racecheck_probe.cu) runs the persistent kernel's ring protocol reduced to one block: "ordered" is
+  # correct code (a report there is the tool's), "racy" reads before the wait (racecheck must report it).
+  if [[ $tool == racecheck ]] && probe=$(build_probe); then
+    run_step racecheck probe_ordered "$probe" ordered
+    label_last "|FINDINGS|" "|FINDINGS: on correct code (the tool)|" "|clean|" "|clean (bulk copies ordered)|"
+    saved=$findings
+    run_step racecheck probe_racy "$probe" racy
+    findings=$saved  # the racy probe must be reported; its report is not a finding of the library's
+    if [[ ${ROWS[-1]} == *"|FINDINGS|"* ]]; then
+      label_last "|FINDINGS|" "|reported, as it must be|"
+    else
+      label_last "|clean|" "|NOT REPORTED: racecheck missed it|"
+      failures=1
+    fi
   fi
 
   # (c) random shapes and layouts (memcheck: out-of-bounds accesses are what random strides find)
