@@ -239,6 +239,19 @@ def test_guard_against_the_committed_baseline():
     assert report.exit_code() == 0
 
 
+def test_guard_says_whether_baseline_and_new_ran_on_one_physical_gpu():
+    base = {"gpu": "NVIDIA H200", "commit": "a", "gpu_uuid": "GPU-1", "host": "h1"}
+    recs = _records()
+    same = "\n".join(guard.format_report(guard.compare(recs, recs, base_meta=base, new_meta={**base, "commit": "b"})))
+    assert "physical GPUs" not in same
+    other = {**base, "commit": "b", "gpu_uuid": "GPU-2", "host": "h2"}
+    text = "\n".join(guard.format_report(guard.compare(recs, recs, base_meta=base, new_meta=other)))
+    assert "NOTE: different physical GPUs (baseline GPU-1 on h1, new GPU-2 on h2)" in text
+    old = {"gpu": "NVIDIA H200", "commit": "4aed4f9"}  # results files from before the uuid was recorded
+    text = "\n".join(guard.format_report(guard.compare(recs, recs, base_meta=old, new_meta=other)))
+    assert "NOTE: unknown physical GPUs (baseline ? on ?, new GPU-2 on h2)" in text
+
+
 def test_guard_load_rejects_a_file_that_is_not_results(tmp_path):
     path = tmp_path / "x.json"
     path.write_text(json.dumps({"meta": {}}))

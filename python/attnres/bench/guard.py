@@ -185,6 +185,12 @@ def format_report(report: Report) -> list[str]:
                      f"commit {n.get('commit', '?')}")
         if b.get("gpu") and n.get("gpu") and b["gpu"] != n["gpu"]:
             lines.append("WARNING: different GPUs: the comparison says little")
+        elif not (b.get("gpu_uuid") and b.get("gpu_uuid") == n.get("gpu_uuid")):
+            same = "unknown" if not (b.get("gpu_uuid") and n.get("gpu_uuid")) else "different"
+            lines.append(f"NOTE: {same} physical GPUs (baseline {b.get('gpu_uuid') or '?'} on {b.get('host') or '?'}, "
+                         f"new {n.get('gpu_uuid') or '?'} on {n.get('host') or '?'}): two H200s ran the same build's "
+                         "split_k kernels up to 0.25 us apart, which the same-run reference does not see; confirm "
+                         "a REGRESSION on one GPU (tools/ab_commits.sh)")
     header = (f"{'point':<26} {'baseline us (p10-p90)':>22} {'new us (p10-p90)':>22} {'change':>8} {'bound':>7} "
               f"{'vs ref':>8} {'bound':>7}  {'status':<12} plan")
     lines += [header, "-" * len(header)]

@@ -28,7 +28,11 @@ def metadata(commit: str | None = None, device: str = "cuda") -> dict:
                 "torch": torch.__version__, "attnres": attnres.__version__,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return {"gpu": props.name, "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
+    # The physical GPU and host: two H200s of the same build measured the split_k cluster kernels up to 0.25 us
+    # apart (docs/performance.md), so the guard says when a baseline came from another GPU.
+    uuid = getattr(props, "uuid", None)
+    return {"gpu": props.name, "gpu_uuid": str(uuid) if uuid is not None else None, "host": platform.node(),
+            "sms": props.multi_processor_count, "l2_bytes": props.L2_cache_size,
             "commit": commit, "torch": torch.__version__, "cuda": torch.version.cuda,
             "attnres": attnres.__version__, "date": datetime.datetime.now(datetime.timezone.utc).isoformat()}
 
