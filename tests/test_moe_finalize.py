@@ -715,25 +715,35 @@ def test_helper_fp16_falls_back_and_keeps_the_dtype(device):
     torch.testing.assert_close(out.float(), run(case).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_helper_world_size_all_reduces_between_combine_and_norm(device):
-    """Two identical ranks: the all-reduce doubles the partials, then the norm runs on the sum."""
+@pytest.mark.parametrize("gate", [16, 1], ids=["fused_combine", "unfused"])
+def test_helper_world_size_all_reduces_between_combine_and_norm(device, gate):
+    """Two identical ranks: the all-reduce doubles the partials, then the norm runs on the sum. Inside the
+    token gate the combine runs fused (moe_finalize without its norm); above it, unfused; the same result."""
     case = make_case(2, 8, 256, seed=45, device=device, shared=True, norm=True, scale=1.5)
     calls = []
 
     def all_reduce(x):
-        calls.append(x.shape)
+        calls.append((x.shape, x.clone()))
         x.mul_(2)
 
     with moe.record_finalize_decisions() as record:
-        out = helper(case, world_size=2, all_reduce=all_reduce, max_tokens=16)
-    assert calls == [torch.Size([2, 256])]
-    assert record[0].path == "unfused" and record[0].world_size == 2 and "all-reduce" in record[0].reason
+        out = helper(case, world_size=2, all_reduce=all_reduce, max_tokens=gate)
+    assert [c[0] for c in calls] == [torch.Size([2, 256])]
+    if gate == 16:
+        assert record[0].path == "fused_combine" and record[0].world_size == 2, record[0]
+        assert record[0].reason == "world_size = 2: the fused combine without the norm, then all_reduce, then the norm"
+        # The all-reduced partial is exactly the fused op's combine (+ shared), without its norm.
+        kernel = moe.moe_finalize(case.rows, case.weights, case.index, shared=case.shared, eps=case.eps,
+                                  scale=case.scale)
+        assert torch.equal(calls[0][1], kernel)
+    else:
+        assert record[0].path == "unfused" and "T = 2 is above the token gate" in record[0].reason, record[0]
     partial = moe.reference_moe_finalize(case.rows, case.weights, case.index, shared=case.shared, eps=case.eps,
                                          scale=case.scale)
     from attnres.reference import two_rounding_rmsnorm
     check_close(out, two_rounding_rmsnorm((partial.double() * 2).to(BF16), case.norm_weight.cpu(), case.eps), "TP tail")
     with pytest.raises(ValueError, match="world_size = 2 needs all_reduce"):
-        helper(case, world_size=2, max_tokens=16)
+        helper(case, world_size=2, max_tokens=gate)
 
 
 @pytest.mark.parametrize("rule", [r for r in PUBLIC_REJECTIONS if r[0] in (

@@ -222,8 +222,8 @@ def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
 # ----------------------------------------------------------------------------------- decisions, observable
 @dataclass(frozen=True)
 class FinalizeDecision:
-    path: str  # "fused" or "unfused"
-    reason: str  # why the unfused path was taken; "" when fused
+    path: str  # "fused"; "fused_combine" (world_size > 1: the kernel combines, the norm follows the all-reduce); "unfused"
+    reason: str  # why the unfused (or fused_combine) path was taken; "" when fused
     tokens: int
     routes: int
     hidden: int
@@ -352,7 +352,9 @@ def finalize_moe_output(rows, weights, index, *, shared=None, norm_weight=None, 
     norm. Fused (one moe_finalize call) when supports_fused_moe_finalize and the tensors' layout allow,
     else the unfused PyTorch sequence; the decision is recorded and logged. Malformed inputs raise on both
     paths. With world_size > 1, `all_reduce(x)` sums the [T, D] partials in place (e.g.
-    torch.distributed.all_reduce) between the combine and the norm; `shared` is this rank's partial."""
+    torch.distributed.all_reduce) between the combine and the norm; `shared` is this rank's partial; the
+    combine runs fused (moe_finalize without its norm, path "fused_combine") where a world_size = 1 call without
+    the norm would, else unfused."""
     rows = as_tensor(rows, OP, "rows")
     weights = as_tensor(weights, OP, "weights")
     index = as_tensor(index, OP, "index")
@@ -366,18 +368,26 @@ def finalize_moe_output(rows, weights, index, *, shared=None, norm_weight=None, 
 
     T, k = index.shape
     D = rows.shape[1]
-    fused, reason = supports_fused_moe_finalize(T, k, D, (rows.dtype, weights.dtype), rows.device, world_size,
+    # Under TP the norm must follow the all-reduce, so the kernel can run the combine (+ shared) alone: what it
+    # must support then is that world_size = 1 call without the norm (the same gate, dtypes and device).
+    fused, reason = supports_fused_moe_finalize(T, k, D, (rows.dtype, weights.dtype), rows.device, 1,
                                                 max_tokens=max_tokens)
     if fused:
-        reason = _kernel_layout_decline(rows, weights, index, shared, norm_weight)
+        reason = _kernel_layout_decline(rows, weights, index, shared, norm_weight if world_size == 1 else None)
         fused = not reason
-    _note(FinalizeDecision("fused" if fused else "unfused", reason, T, k, D, str(rows.device), world_size))
+    if fused and world_size > 1:
+        path, reason = "fused_combine", (f"world_size = {world_size}: the fused combine without the norm, then "
+                                         "all_reduce, then the norm")
+    else:
+        path = "fused" if fused else "unfused"
+    _note(FinalizeDecision(path, reason, T, k, D, str(rows.device), world_size))
 
-    if fused:
-        return moe_finalize(rows, weights, index, shared=shared, norm_weight=norm_weight, eps=eps, scale=scale)
     if world_size == 1:
+        if fused:
+            return moe_finalize(rows, weights, index, shared=shared, norm_weight=norm_weight, eps=eps, scale=scale)
         return unfused_moe_finalize(rows, weights, index, shared=shared, norm_weight=norm_weight, eps=eps, scale=scale)
-    x = unfused_moe_finalize(rows, weights, index, shared=shared, eps=eps, scale=scale)
+    combine = moe_finalize if fused else unfused_moe_finalize
+    x = combine(rows, weights, index, shared=shared, eps=eps, scale=scale)
     reduced = all_reduce(x)
     if isinstance(reduced, Tensor):
         x = reduced
