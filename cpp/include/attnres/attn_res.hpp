@@ -57,7 +57,7 @@ struct Options {
   Topology topology = Topology::per_token;
   // topology split: per-token kernels up to this T, persistent above. 64: the measured crossover at H = 7168
   // (bench_results/h200_e391449_persistent.json: persistent faster from T = 128 at N = 5, 9, 12, with and
-  // without the addend; at N = 2 the per-token kernel stays as fast up to T = 2048; docs/performance.md).
+  // without the addend; at N = 2 the per-token kernel is 5-16 % faster up to T = 1024; docs/performance.md).
   int64_t split_max_tokens = 64;
   bool pdl = true;                // programmatic dependent launch on the CUDA kernels
   KernelKind kernel = KernelKind::automatic;  // force a kernel (tests, benchmarks); still validated
