@@ -10,9 +10,10 @@ import torch
 R = TypeVar("R")
 
 
-def capture(fn: Callable[[], R]) -> tuple[torch.cuda.CUDAGraph, R]:
+def capture(fn: Callable[[], R], capture_error_mode: str = "global") -> tuple[torch.cuda.CUDAGraph, R]:
     """Runs fn once eagerly on a side stream, then captures it; returns the graph and what the captured call
-    returned (the tensors a replay overwrites)."""
+    returned (the tensors a replay overwrites). capture_error_mode as torch.cuda.graph's ("thread_local" when
+    another thread, such as NCCL's watchdog, queries events during the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -20,7 +21,7 @@ def capture(fn: Callable[[], R]) -> tuple[torch.cuda.CUDAGraph, R]:
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         out = fn()
     torch.cuda.synchronize()
     return graph, out

@@ -47,6 +47,7 @@ from attnres.moe import moe_finalize, rmsnorm_two_rounding
 from attnres.tp import NO_MULTICAST_ENV, RankContext, init, launch, shutdown, under_torchrun
 from attnres.tp.checks import ranks_disagree
 
+from ..graphs import capture
 from . import results
 from .chain import BANK_FILL, SiteTrace, _Chain, _diffs, _with_sublayers
 from .timing import Timing, _quantile, rotating_sets, time_interleaved
@@ -163,19 +164,8 @@ def _no_comm(ctx: RankContext) -> Shards:
 
 # ------------------------------------------------------------------------------------------ timing
 def _capture(fn) -> torch.cuda.CUDAGraph:
-    """One eager run on a side stream (lazy initialisation and allocator growth stay out of the graph), then
-    the capture. thread_local: NCCL's watchdog thread queries events while this thread captures."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    torch.cuda.synchronize()
-    return graph
+    """attnres.graphs.capture, thread_local: NCCL's watchdog thread queries events while this thread captures."""
+    return capture(fn, capture_error_mode="thread_local")[0]
 
 
 def _timing(values: list[float], calls: int) -> Timing:
