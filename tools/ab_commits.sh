@@ -1,14 +1,39 @@
 #!/usr/bin/env bash
-# A/B of two builds on the same GPU, minutes apart: the installed attnres (this tree, after tools/gpu_check.sh)
-# against the source tree in $1 (e.g. `git archive 4aed4f9 | tar x -C old_src`), built into a private target
-# folder. Prints tools/ab_points.py's JSON for each. For when the regression guard flags a point whose baseline
-# was measured on another machine: same-run references do not see every machine difference (cluster kernels
-# depend on the GPU's GPC layout, elementwise kernels do not).
+# A/B of builds on the same GPU: the installed attnres (this tree, after tools/gpu_check.sh) against one or more
+# source trees (e.g. `git archive 4aed4f9 cpp python CMakeLists.txt pyproject.toml README.md | tar x -C
+# ab_src/4aed4f9`), each built into a private target folder (in parallel). Prints tools/ab_points.py's JSON for
+# each build, alternating new, tree 1, tree 2, ... for AB_ROUNDS rounds (default 3), so that a drift of the GPU's
+# state (clocks, temperature) shows as a spread across rounds instead of as a difference between builds;
+# nvidia-smi samples the SM clock and power every 200 ms meanwhile ($OUT/ab_clocks.csv).
+#
+#   tools/ab_commits.sh TREE [TREE...]        AB_REPEATS (default 25) sets ab_points.py's repeats
+#
+# For when the regression guard flags a point whose baseline was measured on another machine: same-run
+# references do not see every machine difference (cluster kernels depend on the GPU's GPC layout, elementwise
+# kernels do not); and, with several trees, to find the commit that moved a point.
 set -euo pipefail
-old=$(realpath "${1:?usage: tools/ab_commits.sh OLD_SOURCE_TREE [repeats]}")  # a path, not a requirement name
-target=${AB_TARGET:-/tmp/attnres_ab_old}
-CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON" python3 -m pip install --no-build-isolation --no-deps \
-  -q --target "$target" "$old" >"${OUT:-.}/ab_old_build.log" 2>&1
+(($# >= 1)) || { echo "usage: tools/ab_commits.sh OLD_SOURCE_TREE [MORE_TREES...]" >&2; exit 2; }
+out=${OUT:-.}
 script=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/ab_points.py
-echo "new: $(cd /tmp && python3 "$script" "${2:-25}")"
-echo "old: $(cd /tmp && PYTHONPATH="$target" python3 "$script" "${2:-25}")"
+declare -A target
+pids=()
+for tree in "$@"; do
+  src=$(realpath "$tree")  # a path, not a requirement name
+  name=$(basename "$src")
+  target[$name]=/tmp/attnres_ab/$name
+  CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON" python3 -m pip install --no-build-isolation \
+    --no-deps -q --target "${target[$name]}" "$src" >"$out/ab_build_$name.log" 2>&1 &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || { echo "a build failed: $out/ab_build_*.log" >&2; exit 1; }; done
+nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 200 \
+  >"$out/ab_clocks.csv" 2>/dev/null &
+smi=$!
+trap 'kill $smi 2>/dev/null || true' EXIT
+for ((r = 1; r <= ${AB_ROUNDS:-3}; r++)); do
+  echo "new $r $(date +%T.%N): $(cd /tmp && python3 "$script" "${AB_REPEATS:-25}")"
+  for tree in "$@"; do
+    name=$(basename "$(realpath "$tree")")
+    echo "$name $r $(date +%T.%N): $(cd /tmp && PYTHONPATH="${target[$name]}" python3 "$script" "${AB_REPEATS:-25}")"
+  done
+done
