@@ -29,6 +29,17 @@ if ! python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log
 fi
 python3 -c "import attnres; print(attnres.backend_info())"
 
+if has test smoke full; then
+  step "SASS schedule of the per-token kernels (tools/sass_check.py: post-wait loads together, exps branch-free)"
+  so=$(python3 -c "import attnres._C as c; print(c.__file__)")
+  cuobjdump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+  if "$cuobjdump" -sass "$so" >/tmp/attnres_sass.txt 2>&1; then
+    python3 tools/sass_check.py /tmp/attnres_sass.txt >"$OUT/sass_check.txt" || status=1
+    grep FAIL "$OUT/sass_check.txt" | head -5; tail -1 "$OUT/sass_check.txt"
+  else
+    echo "cuobjdump failed: no SASS check"; status=1
+  fi
+fi
 if has smoke full bench; then
   step "SASS of the kernels (for reading load batching and barriers)"
   so=$(python3 -c "import attnres._C as c; print(c.__file__)")

@@ -102,20 +102,27 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
 
   grid_dependency_wait();
 
-  // ---- the newest bank row, the prefix and the addends ----
-  {
-    // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch.
-    const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
-#pragma unroll
-    for (int n = 0; n < NMAX; ++n)
-      if (n + 1 == K)
-        rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
-  }
+  // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
+  // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
+  // schedules that, not the source order: with the newest row loaded first, CUDA 13.0's ptxas placed its OR
+  // merge (below) before computing the later loads' addresses in some instances, which then left a round trip
+  // later (found bisecting a T = 1 add2 regression on the H200 with tools/ab_commits.sh: N = 2 2.97 -> 3.48 us
+  // at 6a81f52, together with the exp branches below). The newest row goes last, so the merge cannot start
+  // before every load is out; tools/sass_check.py checks every instance's SASS.
   uint4 prefix = load16_if(p.layer_residual + token * p.lr_stride + col, valid);
+  uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
+  if constexpr (kAdd) {
+    add = load16_if(p.add + token * p.add_stride + col, valid);
+    add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
+  }
+  const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
+  // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch.
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n)
+    if (n + 1 == K)
+      rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
   if constexpr (kAdd) {
     // ops.md step 1: P = bf16(P + S) with S = add, or S = bf16(add + add2): PyTorch's prefix + (add + add2).
-    const uint4 add = load16_if(p.add + token * p.add_stride + col, valid);
-    const uint4 add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
     float pf[8], s[8];
     unpack8(prefix, pf);
     unpack8(add, s);
@@ -200,9 +207,12 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   float denom = 0.0f;
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) {
-    // Past N the probability is 0 by selection, not by exp(-inf - max): with no finite logit max stays -inf
-    // (fmaxf drops NaN) and exp(-inf + inf) would be NaN.
-    prob[n] = n < N ? __expf(logit[n] - max_logit) : 0.0f;
+    // Past N the probability is exp(-inf) = 0 by selecting the argument, not by exp(logit - max): with no
+    // finite logit max stays -inf (fmaxf drops NaN) and exp(-inf + inf) would be NaN. The argument, not the
+    // result, is selected so every exp is issued unconditionally: `n < N ? __expf(..) : 0` became a branch
+    // around each MUFU.EX2 (serialised exps; at 6a81f52 T = 1 add2 N = 9 went 3.48 -> 3.87 us on the H200;
+    // tools/sass_check.py checks every instance).
+    prob[n] = __expf(n < N ? logit[n] - max_logit : -INFINITY);
     denom += prob[n];
   }
   const float inv_denom = 1.0f / denom;

@@ -1,0 +1,104 @@
+"""tools/sass_check.py: the per-token kernels' SASS keeps the post-wait loads together and the exps branch-free.
+
+The checker's rules are tested here on small listings (CPU, in CI); on a machine with the CUDA build and
+cuobjdump (the H200 machine) the built library's every instance is checked (`pytest -m gpu`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import attnres
+
+_TOOL = Path(__file__).resolve().parents[1] / "tools" / "sass_check.py"
+_spec = importlib.util.spec_from_file_location("sass_check", _TOOL)
+sass_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_check)
+
+
+def _listing(body: list[str], name: str = "_ZN7attnres6detail25attn_res_per_token_kernelILi2EE") -> str:
+    lines = [f"\t\tFunction : {name}"]
+    lines += [f"        /*{16 * i:04x}*/                   {s} ;" for i, s in enumerate(body)]
+    return "\n".join(lines) + "\n"
+
+
+_EXPS = ["MUFU.EX2 R40, R41", "FADD R42, R40, R43", "MUFU.EX2 R44, R45"]
+
+
+def _check(body: list[str]) -> tuple[bool, str]:
+    funcs = sass_check.functions(_listing(body))
+    assert len(funcs) == 1
+    return sass_check.check(next(iter(funcs.values())))
+
+
+def test_loads_issued_together_pass():
+    ok, detail = _check(["@P0 LDG.E.128 R8, desc[UR4][R2.64]", "ACQBULK", "@P1 LDG.E.128 R12, desc[UR4][R4.64]",
+                         "IMAD R3, R3, UR10, R0", "@P0 LDG.E.128 R16, desc[UR4][R6.64]",
+                         "LOP3.LUT R20, R20, R12, RZ, 0xfc, !PT", "BAR.SYNC.DEFER_BLOCKING 0x0", *_EXPS])
+    assert ok, detail
+
+
+def test_use_between_the_loads_fails():
+    # The 6a81f52 schedule: the merge reads the first load's register before the second load is issued.
+    ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "@!P3 LOP3.LUT R12, R12, R4, RZ, 0xfc",
+                         "@P0 LDG.E.128 R28, desc[UR4][R32.64]", "BAR.SYNC.DEFER_BLOCKING 0x0", *_EXPS])
+    assert not ok and "touches R4" in detail
+
+
+def test_overwriting_a_loaded_register_fails():
+    # Reusing a loaded register (here as an address) means its value was already consumed.
+    ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "IMAD.WIDE.U32 R6, R3, UR5, R36",
+                         "@P0 LDG.E.128 R28, desc[UR4][R32.64]", "BAR.SYNC.DEFER_BLOCKING 0x0", *_EXPS])
+    assert not ok and "R6" in detail
+
+
+def test_a_64_bit_operand_covers_two_registers():
+    ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "@P0 LDG.E.128 R8, desc[UR4][R6.64]",
+                         "BAR.SYNC.DEFER_BLOCKING 0x0", *_EXPS])
+    assert not ok and "R6" in detail
+
+
+def test_branch_between_exps_fails():
+    ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "BAR.SYNC.DEFER_BLOCKING 0x0",
+                         "MUFU.EX2 R40, R41", "@P2 BRA `(.L_x_1)", "MUFU.EX2 R44, R45"])
+    assert not ok and "1 branches among 2 exps" in detail
+
+
+def test_missing_wait_or_exps_fail():
+    assert not _check(["LDG.E.128 R4, desc[UR4][R28.64]", *_EXPS])[0]
+    assert not _check(["ACQBULK", "LDG.E.128 R4, desc[UR4][R28.64]", "BAR.SYNC.DEFER_BLOCKING 0x0"])[0]
+
+
+def test_only_per_token_kernels_are_read():
+    text = _listing(["ACQBULK"], name="_ZN7attnres6detail19moe_finalize_kernelEv") + _listing(
+        ["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "BAR.SYNC.DEFER_BLOCKING 0x0", *_EXPS])
+    funcs = sass_check.functions(text)
+    assert list(funcs) == ["_ZN7attnres6detail25attn_res_per_token_kernelILi2EE"]
+    assert sass_check.check(funcs[next(iter(funcs))])[0]
+
+
+def _cuobjdump() -> str | None:
+    for d in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if d and Path(d, "bin", "cuobjdump").exists():
+            return str(Path(d, "bin", "cuobjdump"))
+    return shutil.which("cuobjdump")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not attnres.backend_info()["cuda_backend"], reason="attnres was built without the CUDA backend")
+@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit) on this machine")
+def test_built_library_passes(tmp_path):
+    from attnres import _C
+
+    sass = tmp_path / "attnres.sass"
+    with open(sass, "w") as f:
+        subprocess.run([_cuobjdump(), "-sass", _C.__file__], stdout=f, check=True, timeout=300)
+    funcs = sass_check.functions(sass.read_text())
+    assert len(funcs) >= 28, f"expected every per-token instance, found {len(funcs)}"
+    failures = {name: detail for name, insns in funcs.items() for ok, detail in [sass_check.check(insns)] if not ok}
+    assert not failures, failures
