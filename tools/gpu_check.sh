@@ -151,10 +151,10 @@ fi
 if has stress; then
   step "stress: random calls on 4 streams with graph replays, checked against the CPU backend"
   python3 -m attnres.stress calls --count ${STRESS_CALLS:-100000} --streams 4 --device cuda \
-    --max-seconds ${STRESS_CALLS_S:-270} --quiet >"$OUT/stress_calls.json" 2>"$OUT/stress_calls.log" || status=1
+    --max-seconds ${STRESS_CALLS_S:-420} --quiet >"$OUT/stress_calls.json" 2>"$OUT/stress_calls.log" || status=1
   tail -5 "$OUT/stress_calls.log"; tail -c 1200 "$OUT/stress_calls.json"; echo
   step "stress: Kimi K3 decode chain (93 layers, H = 7168), fold on vs off, one graph per step"
-  python3 -m attnres.stress chain --steps ${STRESS_STEPS:-10000} --device cuda --max-seconds ${STRESS_CHAIN_S:-180} \
+  python3 -m attnres.stress chain --steps ${STRESS_STEPS:-10000} --device cuda --max-seconds ${STRESS_CHAIN_S:-240} \
     --quiet >"$OUT/stress_chain.json" 2>"$OUT/stress_chain.log" || status=1
   tail -5 "$OUT/stress_chain.log"; tail -c 1200 "$OUT/stress_chain.json"; echo
 fi
