@@ -66,6 +66,7 @@ def capture(calls) -> torch.cuda.CUDAGraph:
 
 
 def time_interleaved(graphs: dict, repeats: int, warmup: int = 3) -> dict:
+    # Deliberately not attnres.bench.timing's (the same method): that one belongs to the build under test.
     for _ in range(warmup):
         for g, _ in graphs.values():
             g.replay()
