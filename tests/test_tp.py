@@ -305,6 +305,27 @@ def test_bench_tp_on_cpu_runs_the_chain_and_its_checks(tmp_path, capfd):
     assert "tp T=2 x2" in text and "fold bitwise equal" in text
 
 
+def test_bench_tp_latencies_only_skips_the_chain(tmp_path, capfd):
+    """`--latencies-only`: the all-reduce sweep alone (how gpu_check.sh runs --symm-mem, in a process of its own)."""
+    from attnres.bench.__main__ import main as bench_main
+
+    out = tmp_path / "tp_lat.json"
+    rc = bench_main(["tp", "--device", "cpu", "--tokens", "2", "--repeats", "2", "--layers", "6", "--latencies-only",
+                     "--out", str(out)])
+    text = capfd.readouterr().out
+    assert rc == 0, text
+    records = json.loads(out.read_text())["records"]
+    assert records and {r["kind"] for r in records} == {"all_reduce"}, records
+    assert "tp chain" not in text
+
+
+def test_bench_tp_latency_flags_exclude_each_other():
+    from attnres.bench.__main__ import main as bench_main
+
+    with pytest.raises(SystemExit, match="exclude each other"):
+        bench_main(["tp", "--device", "cpu", "--no-latencies", "--latencies-only"])
+
+
 def test_bench_tp_reports_a_failed_check():
     from attnres.bench.tp import failed_checks
 

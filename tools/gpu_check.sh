@@ -4,7 +4,8 @@
 # smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
-# (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2);
+# (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
+# the symmetric-memory one-shot floor in a process of its own);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
 # .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
@@ -127,6 +128,13 @@ if has tp; then
     2>&1 | tee "$OUT/tp_check.log" | tail -8 || status=1
   if [[ ${TP_BENCH:-1} == 1 ]]; then
     timeout "${TP_BENCH_WALL:-240}" python3 -m attnres.bench tp --out "$OUT/tp.json" 2>&1 | tail -20 || status=1
+  fi
+  if [[ ${TP_SYMM:-0} == 1 ]]; then
+    # torch's symmetric-memory one-shot all-reduce (the floor of a fused one-shot epilogue, docs/tp.md), in a
+    # process of its own and with its whole output kept: at 3a47675 it died with an illegal memory access.
+    CUDA_LAUNCH_BLOCKING=1 timeout "${TP_SYMM_WALL:-180}" python3 -m attnres.bench tp --symm-mem --latencies-only \
+      --out "$OUT/tp_symm.json" >"$OUT/tp_symm.log" 2>&1 || status=1
+    grep -m5 -B2 -A12 "Error\|Traceback" "$OUT/tp_symm.log" | head -60; tail -12 "$OUT/tp_symm.log"
   fi
 fi
 if has bench full; then

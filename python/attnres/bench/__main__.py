@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     t = p.add_argument_group("tp")
     t.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
     t.add_argument("--no-latencies", action="store_true", help="the chain only (no all-reduce/op latency sweep)")
+    t.add_argument("--latencies-only", action="store_true",
+                   help="the all-reduce/op latency sweep only (no chain): e.g. --symm-mem in a process of its own, "
+                        "so that a failure there cannot take the chain's numbers with it")
     t.add_argument("--symm-mem", action="store_true",
                    help="also time torch's symmetric-memory one-shot all-reduce (P2P over NVLink, no multicast)")
     g = p.add_argument_group("guard")

@@ -416,7 +416,7 @@ def run_rank(opts: dict) -> list[dict] | None:
         config = opts.get("config") or (KimiK3Config.real() if cuda else cpu_config())
         tokens, repeats = opts["tokens"], opts["repeats"]
         records = []
-        for i, T in enumerate(tokens):
+        for i, T in enumerate(tokens if opts.get("chain", True) else ()):
             records += chain_point(ctx, config, T, pdl=opts["pdl"], repeats=repeats, seed=opts["seed"])
             if ctx.rank == 0:
                 print(f"[{i + 1}/{len(tokens)}] tp chain T={T}", flush=True)
@@ -491,9 +491,11 @@ def summary(records: list[dict]) -> list[str]:
 def main(args) -> int:
     """`python -m attnres.bench tp` (args from bench/__main__): under torchrun, this process is one rank;
     otherwise --nproc ranks are spawned. Exit 1 if a chain check failed."""
+    if args.no_latencies and args.latencies_only:
+        raise SystemExit("attnres.bench tp: --no-latencies and --latencies-only exclude each other")
     opts = dict(device=args.device, tokens=args.tokens, repeats=args.repeats, pdl=not args.no_pdl, seed=0,
                 out=args.out or "bench_results_tp.json", commit=args.commit, config=args.config,
-                latencies=not args.no_latencies, symm_mem=args.symm_mem,
+                latencies=not args.no_latencies, chain=not args.latencies_only, symm_mem=args.symm_mem,
                 threads=1 if args.device == "cpu" else None)
     if under_torchrun():
         records = run_rank(opts)
