@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
 #   tools/gpu_check.sh [smoke|test|chain|persistent|tp|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
-# smoke: build + kernel self-check + quick benchmarks; test: build + ctest + pytest (GPU cases run); chain: the
+# smoke: build + kernel self-check + quick benchmarks; test: build + the SASS schedule check (tools/sass_check.py) +
+# ctest + pytest (GPU cases run; CTEST=0 skips ctest); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
