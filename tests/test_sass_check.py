@@ -1,12 +1,16 @@
 """tools/sass_check.py: the per-token kernels' SASS keeps the post-wait loads together and the exps branch-free.
 
-The checker's rules are tested here on small listings (CPU, in CI); on a machine with the CUDA build and
-cuobjdump (the H200 machine) the built library's every instance is checked (`pytest -m gpu`)."""
+The checker's rules are tested here on small listings (CPU, in CI). Where nvcc and nvdisasm are present (CI and
+the development machine: nvdisasm from the nvidia-cuda-nvdisasm wheel), the kernels are compiled for sm_90 with
+the library's flags and every instance is checked — no GPU needed, so a schedule regression fails CI. On the
+H200 machine the built library itself is checked too (`pytest -m gpu`)."""
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -80,6 +84,54 @@ def test_only_per_token_kernels_are_read():
     funcs = sass_check.functions(text)
     assert list(funcs) == ["_ZN7attnres6detail25attn_res_per_token_kernelILi2EE"]
     assert sass_check.check(funcs[next(iter(funcs))])[0]
+
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _cuda_tool(name: str) -> str | None:
+    for d in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if d and Path(d, "bin", name).exists():
+            return str(Path(d, "bin", name))
+    found = shutil.which(name)
+    if found or name != "nvdisasm":
+        return found
+    spec = importlib.util.find_spec("nvidia")  # the nvidia-cuda-nvdisasm wheel: nvidia/cu*/bin/nvdisasm
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        hits = sorted(glob.glob(os.path.join(root, "*", "bin", "nvdisasm")))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def _library_cuda_flags() -> list[str]:
+    """The CUDA compile options of cpp/src/CMakeLists.txt (one source of truth for the flags that shape SASS)."""
+    text = (_REPO / "cpp" / "src" / "CMakeLists.txt").read_text()
+    m = re.search(r"\$<\$<COMPILE_LANGUAGE:CUDA>:([^>]*)>", text)
+    assert m, "cpp/src/CMakeLists.txt: no CUDA compile options found"
+    return m.group(1).split()
+
+
+@pytest.mark.skipif(_cuda_tool("nvcc") is None, reason="no nvcc on this machine")
+@pytest.mark.skipif(_cuda_tool("nvdisasm") is None, reason="no nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm wheel)")
+def test_compiled_kernels_pass(tmp_path):
+    """Compile the per-token launcher for sm_90 as the library build does and check every instance."""
+    include = tmp_path / "include" / "attnres"
+    include.mkdir(parents=True)
+    template = (_REPO / "cpp" / "include" / "attnres" / "version.hpp.in").read_text()
+    (include / "version.hpp").write_text(
+        template.replace("@PROJECT_VERSION@", "0.0.0").replace("@ATTNRES_WITH_CUDA_01@", "1"))
+    cubin = tmp_path / "attn_res_launch.cubin"
+    cmd = [_cuda_tool("nvcc"), "-std=c++17", "-O3", "-arch=sm_90", *_library_cuda_flags(),
+           f"-I{_REPO / 'cpp' / 'include'}", f"-I{_REPO / 'cpp' / 'src'}", f"-I{tmp_path / 'include'}",
+           "-cubin", str(_REPO / "cpp" / "src" / "cuda" / "attn_res_launch.cu"), "-o", str(cubin)]
+    subprocess.run(cmd, check=True, timeout=600, capture_output=True)
+    sass = subprocess.run([_cuda_tool("nvdisasm"), "-c", str(cubin)], check=True, timeout=300,
+                          capture_output=True, text=True).stdout
+    funcs = sass_check.functions(sass)
+    assert len(funcs) >= 28, f"expected every per-token instance, found {len(funcs)}"
+    failures = {name: detail for name, insns in funcs.items() for ok, detail in [sass_check.check(insns)] if not ok}
+    assert not failures, failures
 
 
 def _cuobjdump() -> str | None:
