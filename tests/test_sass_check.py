@@ -112,6 +112,13 @@ def _library_cuda_flags() -> list[str]:
     return m.group(1).split()
 
 
+def _assert_every_instance_passes(sass: str) -> None:
+    funcs = sass_check.functions(sass)
+    assert len(funcs) >= 28, f"expected every per-token instance, found {len(funcs)}"
+    failures = {name: detail for name, insns in funcs.items() for ok, detail in [sass_check.check(insns)] if not ok}
+    assert not failures, failures
+
+
 @pytest.mark.skipif(_cuda_tool("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.skipif(_cuda_tool("nvdisasm") is None, reason="no nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm wheel)")
 def test_compiled_kernels_pass(tmp_path):
@@ -128,29 +135,16 @@ def test_compiled_kernels_pass(tmp_path):
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     sass = subprocess.run([_cuda_tool("nvdisasm"), "-c", str(cubin)], check=True, timeout=300,
                           capture_output=True, text=True).stdout
-    funcs = sass_check.functions(sass)
-    assert len(funcs) >= 28, f"expected every per-token instance, found {len(funcs)}"
-    failures = {name: detail for name, insns in funcs.items() for ok, detail in [sass_check.check(insns)] if not ok}
-    assert not failures, failures
-
-
-def _cuobjdump() -> str | None:
-    for d in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
-        if d and Path(d, "bin", "cuobjdump").exists():
-            return str(Path(d, "bin", "cuobjdump"))
-    return shutil.which("cuobjdump")
+    _assert_every_instance_passes(sass)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not attnres.backend_info()["cuda_backend"], reason="attnres was built without the CUDA backend")
-@pytest.mark.skipif(_cuobjdump() is None, reason="no cuobjdump (CUDA toolkit) on this machine")
+@pytest.mark.skipif(_cuda_tool("cuobjdump") is None, reason="no cuobjdump (CUDA toolkit) on this machine")
 def test_built_library_passes(tmp_path):
     from attnres import _C
 
     sass = tmp_path / "attnres.sass"
     with open(sass, "w") as f:
-        subprocess.run([_cuobjdump(), "-sass", _C.__file__], stdout=f, check=True, timeout=300)
-    funcs = sass_check.functions(sass.read_text())
-    assert len(funcs) >= 28, f"expected every per-token instance, found {len(funcs)}"
-    failures = {name: detail for name, insns in funcs.items() for ok, detail in [sass_check.check(insns)] if not ok}
-    assert not failures, failures
+        subprocess.run([_cuda_tool("cuobjdump"), "-sass", _C.__file__], stdout=f, check=True, timeout=300)
+    _assert_every_instance_passes(sass.read_text())
