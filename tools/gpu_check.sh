@@ -7,7 +7,8 @@
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
-# bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling. The machine has no network: it builds with the
+# bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling; build (or any
+# other word): the build alone. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
 # .gpu_carry/gtest (tools/gpu_carry.sh prepares it).
 set -uo pipefail
@@ -24,10 +25,14 @@ step "environment"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch,sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda)"
 
-step "build + install (CUDA sm_90)"
-export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON"
-if ! python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1; then
-  tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+# SKIP_BUILD=1: use the attnres already installed (a second gpu_check.sh on the other GPU of the x2 machine,
+# started after a first one built it: two pip installs of one tree at once would race).
+if [[ ${SKIP_BUILD:-0} != 1 ]]; then
+  step "build + install (CUDA sm_90)"
+  export CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON"
+  if ! python3 -m pip install --no-build-isolation --no-deps -q . >"$OUT/build.log" 2>&1; then
+    tail -40 "$OUT/build.log"; echo "BUILD FAILED"; exit 1
+  fi
 fi
 python3 -c "import attnres; print(attnres.backend_info())"
 
