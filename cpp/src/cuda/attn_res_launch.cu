@@ -18,22 +18,17 @@ using KernelFn = void (*)(PerTokenParams);
 
 template <Mode M, bool CLUSTER>
 KernelFn by_bucket(int max_candidates) {
-  // The buckets of plan_tuning.hpp. single_cta is planned for N <= 4 only: a 1024-thread block has 64
-  // registers per thread (the N <= 8 instance spilled 160 bytes).
+  // The buckets of plan_tuning.hpp. single_cta is planned for N <= 4 only (a 1024-thread block has 64
+  // registers per thread; the N <= 8 instance spilled 160 bytes); the CLUSTER = false instances of the larger
+  // buckets serve split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
   switch (max_candidates) {
     case 2: return attn_res_per_token_kernel<2, M, CLUSTER>;
     case 4: return attn_res_per_token_kernel<4, M, CLUSTER>;
-    default: break;
+    case 9: return attn_res_per_token_kernel<9, M, CLUSTER>;
+    case 12: return attn_res_per_token_kernel<12, M, CLUSTER>;
+    case 16: return attn_res_per_token_kernel<16, M, CLUSTER>;
+    default: return nullptr;
   }
-  if constexpr (CLUSTER) {
-    switch (max_candidates) {
-      case 9: return attn_res_per_token_kernel<9, M, true>;
-      case 12: return attn_res_per_token_kernel<12, M, true>;
-      case 16: return attn_res_per_token_kernel<16, M, true>;
-      default: break;
-    }
-  }
-  return nullptr;
 }
 
 template <bool CLUSTER>
@@ -97,7 +92,8 @@ Mode mode_of(AttnResOp op, const AttnResArgs& a) {
 }  // namespace
 
 void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
-  const bool cluster = plan.kernel == KernelKind::split_k;
+  // split_k with a one-block cluster (H <= 1024) runs the instance without the cluster exchange.
+  const bool cluster = plan.kernel == KernelKind::split_k && plan.cluster > 1;
   const KernelFn kernel = cluster ? by_mode<true>(mode_of(op, a), plan.max_candidates)
                                   : by_mode<false>(mode_of(op, a), plan.max_candidates);
   if (kernel == nullptr)

@@ -52,13 +52,19 @@ __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* 
   for (int r = 0; r < ranks; ++r) st_async_f32(map_to_rank(slot, r), value, map_to_rank(barrier, r));
 }
 
+// The block size bound of an instance: single_cta is planned for N <= 4 only (buckets 2 and 4, up to 1024
+// threads); every other instance runs split_k's blocks of <= 256 threads, the one-block clusters of split_k
+// (H <= 1024) included, which launch the CLUSTER = false instance (no exchange, no cluster).
+template <int NMAX, bool CLUSTER>
+constexpr int kMaxThreadsOf = CLUSTER || NMAX > 4 ? kSplitKMaxThreads : kSingleCtaMaxThreads;
+
 template <int NMAX, Mode MODE, bool CLUSTER>
-__global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThreads)
+__global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
   namespace cg = cooperative_groups;
   constexpr bool kNorm = MODE != Mode::mix;
   constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
-  constexpr int kMaxWarps = (CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThreads) / 32;
+  constexpr int kMaxWarps = kMaxThreadsOf<NMAX, CLUSTER> / 32;
   constexpr int kRanks = CLUSTER ? kMaxClusterRanks : 1;
 
   __shared__ float warp_part[kMaxWarps][2 * NMAX];  // per warp: (sumsq, dot) per candidate
@@ -176,11 +182,13 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
   }
   __syncthreads();
   if constexpr (CLUSTER) cluster_wait();  // every peer's mbarriers are initialised (pairs with the arrive)
-  // A cluster of one block (split_k at H <= 1024) takes the single-block path: st.async into a cluster of
-  // one block is invalid (compute-sanitizer memcheck, 2026-11-30). The bits are the same: the rank-ordered
-  // sum of one value is 0 + v = v (v is never -0, it is itself a sum that started at +0).
-  const bool exchange = CLUSTER && ranks > 1;
-  if (exchange) {
+  // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
+  // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
+  // 2026-11-30). The bits are the same: the rank-ordered sum of one value is 0 + v = v (v is never -0, it is
+  // itself a sum that started at +0). A compile-time choice, not a runtime `ranks > 1` test: with both paths in
+  // every cluster instance (f1f44fe) the exchanges' SASS grew by 60-80 instructions and 3-5 branches.
+  constexpr bool exchange = CLUSTER;
+  if constexpr (exchange) {
     if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
     if (tid < 2 * N)
       push_to_ranks(&recv_part[rank][tid], &bars[0], ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps),
@@ -268,7 +276,7 @@ __global__ void __launch_bounds__(CLUSTER ? kSplitKMaxThreads : kSingleCtaMaxThr
     if (lane == 0) warp_sq[warp] = sq;
     __syncthreads();
     float total;
-    if (exchange) {
+    if constexpr (exchange) {
       if (tid == 0) {
         mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
         push_to_ranks(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), ranks);
