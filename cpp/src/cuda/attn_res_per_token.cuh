@@ -223,11 +223,13 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     prob[n] = __expf(n < N ? logit[n] - max_logit : -INFINITY);
     denom += prob[n];
   }
-  const float inv_denom = 1.0f / denom;
-  // The selection again after the normalisation: a NaN denominator (N = 1 with a NaN logit) must not turn the
-  // bucket's zero padding probabilities into 0 * NaN = NaN, which the mixture would then pick up.
+  // N = 1: the denominator is exp(0) = 1 for a finite logit, so 1 is exact; for a non-finite logit it is NaN,
+  // and 0 * NaN would turn the bucket's zero padding probabilities into NaN, which the mixture would pick up.
+  // N >= 2: a NaN denominator makes every real probability NaN, and the mixture NaN, whatever the padding. So
+  // one select on the scale, not one per probability (the same bits).
+  const float inv_denom = N == 1 ? 1.0f : 1.0f / denom;
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n) prob[n] = n < N ? prob[n] * inv_denom : 0.0f;
+  for (int n = 0; n < NMAX; ++n) prob[n] *= inv_denom;
   // With N = 1 the mixture is P itself (ops.md step 6), also when its logit is not finite (rms_eps = 0 and a
   // zero row: rsigma = inf, logit = inf * 0 = NaN).
   prob[0] = N == 1 ? 1.0f : prob[0];
