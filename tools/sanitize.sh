@@ -284,7 +284,9 @@ done
 
 # ---------------------------------------------------------------------------------------- summary
 {
-  echo "tools/sanitize.sh at $(git rev-parse --short HEAD 2>/dev/null || echo unknown), $(date -u +%FT%TZ)"
+  commit=${ATTNRES_COMMIT:-unknown}
+  [[ $commit == unknown ]] && commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  echo "tools/sanitize.sh at $commit, $(date -u +%FT%TZ)"
   echo "compute-sanitizer: $("$CS" --version 2>&1 | tail -1)"
   echo "options: ${COMMON[*]}; kernel filter (racecheck, synccheck): $KFILTER; memcheck, initcheck: every kernel"
   echo "sizes: $(for t in $TOOLS; do printf '%s %s; ' "$t" "$(size_of "$t")"; done)stress calls under memcheck: $STRESS_CALLS; wall $(( $(date +%s) - START ))s"

@@ -311,10 +311,12 @@ def all_reduce_latency(ctx: RankContext, shapes, *, repeats: int = 25, warmup: i
                 dist.all_reduce(b)
 
         runs, errors = {f"{ctx.backend}_all_reduce": _capture(nccl) if cuda else nccl}, {}
+        keep_alive = []  # what a captured graph reads: a CUDA graph does not keep its buffers alive
         if cuda and symm_mem:
             one_shot, why = _symm_mem_one_shot(ctx, T, D)
             if one_shot is not None:
-                runs["symm_mem_one_shot_all_reduce"] = one_shot
+                runs["symm_mem_one_shot_all_reduce"], buf = one_shot
+                keep_alive.append(buf)
             else:
                 errors["symm_mem_one_shot_all_reduce"] = why
         timings = _time_ranked(ctx, runs, repeats, warmup, calls={n: AR_CALLS for n in runs})
@@ -330,8 +332,10 @@ def all_reduce_latency(ctx: RankContext, shapes, *, repeats: int = 25, warmup: i
 
 
 def _symm_mem_one_shot(ctx: RankContext, T: int, D: int):
-    """A graph of AR_CALLS one-shot all-reduces through torch's symmetric memory (P2P loads over NVLink, no
-    multicast), or (None, why) where this torch or machine does not offer it."""
+    """((graph, buffer), "") : a graph of AR_CALLS one-shot all-reduces through torch's symmetric memory (P2P loads
+    over NVLink, no multicast) and the symmetric buffer it reads, which the caller must keep alive while it
+    replays the graph; or (None, why) where this torch or machine does not offer it. (At 3a47675 the buffer was
+    freed on return and the first replay read freed symmetric memory: an illegal memory access.)"""
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -350,7 +354,7 @@ def _symm_mem_one_shot(ctx: RankContext, T: int, D: int):
         ctx.barrier()
         graph = _capture(run)
         ctx.barrier()
-        return graph, ""
+        return (graph, buf), ""
     except Exception as e:  # an optional comparison: any failure is recorded, not fatal
         return None, f"{type(e).__name__}: {e}"[:300]
 
