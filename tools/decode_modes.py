@@ -1,7 +1,7 @@
 """Are the decode sweep's two levels at small N (3.3 vs 3.7 us for one kernel instance, docs/performance.md) a
 property of the point or of the capture? On the GPU, from the repository root, after the CUDA build:
 
-    python3 tools/decode_modes.py [TRIALS] [--out FILE]
+    python3 tools/decode_modes.py [TRIALS] [--no-pdl] [--out FILE]
 
 For T = 1, H = 7168 and N in {2, 3, 4, 9}, each trial makes fresh input sets (a new seed, so new allocations) and
 captures fresh graphs of noadd / add / add2 (one call per rotating set, as the decode suite), then times them
@@ -30,12 +30,13 @@ VARIANTS = ("noadd", "add", "add2")
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("trials", type=int, nargs="?", default=4)
+    ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("decode_modes: needs a CUDA GPU", file=sys.stderr)
         return 2
-    options = attnres.Options()
+    options = attnres.Options(pdl=not args.no_pdl)
     seeds = [1000 * t + 7 for t in range(args.trials - 1)] + [7]  # the last trial repeats the first seed
     table: dict[str, list[float]] = {}
     for trial, seed in enumerate(seeds):
@@ -51,7 +52,7 @@ def main() -> int:
         print(f"{key:24s} " + " ".join(f"{v:6.2f}" for v in values))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "seeds": seeds, "per_trial_median_us": table}, f, indent=1)
+            json.dump({"gpu": torch.cuda.get_device_name(), "pdl": options.pdl, "seeds": seeds, "per_trial_median_us": table}, f, indent=1)
     return 0
 
 
