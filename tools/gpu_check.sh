@@ -109,15 +109,17 @@ fi
 
 if has smoke; then
   step "quick benchmarks"
-  python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" 2>&1 | tail -12
+  python3 -m attnres.bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" 2>&1 | tail -12
   python3 -m attnres.bench tune --quick --out "$OUT/tune_quick.json" 2>&1 | tail -8
   python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -8
 fi
+# The guard's baseline (GUARD_BASELINE): the landed kernels' guard run (f2a5a55's kernels, the two-GPU host's GPU 1,
+# the current benchmark harness); bench_results/h200_4aed4f9.json is the older, faster build's (docs/performance.md).
 if has chain; then
   step "decode-chain benchmark (P6) and the regression guard"
   timeout -s INT -k 20 "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
   if [[ ${GUARD:-1} == 1 ]]; then
-    timeout 120 python3 -m attnres.bench guard --baseline bench_results/h200_4aed4f9.json --out "$OUT/guard.json" \
+    timeout 120 python3 -m attnres.bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" \
       2>&1 | tail -14
   fi
 fi
