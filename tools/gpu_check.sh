@@ -7,6 +7,7 @@
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
+# teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling; build (or any
 # other word): the build alone. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
@@ -144,6 +145,10 @@ if has tp; then
       --out "$OUT/tp_symm.json" >"$OUT/tp_symm.log" 2>&1 || status=1
     grep -m5 -B2 -A12 "Error\|Traceback" "$OUT/tp_symm.log" | head -60; tail -12 "$OUT/tp_symm.log"
   fi
+fi
+if has teeth; then
+  step "PDL release: tests/test_pdl_release.py against an entry-release mutant (tools/pdl_teeth.sh) must fail"
+  OUT="$OUT" tools/pdl_teeth.sh || status=1
 fi
 if has bench full; then
   step "benchmarks"

@@ -14,8 +14,19 @@
 //     atomics: identical bits run to run, and a token's result does not depend on T or its position.
 //   * split_k exchanges partial sums by pushing them into every peer's shared memory (st.async completing
 //     on the peer's mbarrier): each block waits on its own mbarrier, never on a cluster-wide barrier.
-//   * Dependents are released (griddepcontrol.launch_dependents) after a block-wide barrier that follows
-//     the block's last store.
+//   * PDL release: dependents are released (griddepcontrol.launch_dependents) right after the block's
+//     griddepcontrol.wait, not after its last store. Why that is safe (docs/ops/pdl.md has the long form):
+//     launch_dependents gives a dependent no memory visibility, whatever its position: a dependent's
+//     post-wait reads are ordered by its own wait (which waits for this grid's completion and flush), and
+//     its pre-wait reads may only touch data that this grid does not write (the bank rows 0..K-2 and the
+//     weights: the contract). What the position does decide is which EARLIER grids have completed when a
+//     dependent's pre-wait section starts: the dependent can start only once every block of this grid has
+//     released, and a block releases only after its wait returned, i.e. after this grid's predecessor
+//     completed. So every grid two or more launches before a kernel has completed (and its writes are
+//     visible) before that kernel's pre-wait loads run, by induction along the chain. A release at kernel
+//     entry would break exactly this: the pre-wait loads of a kernel could then overlap a kernel two launches
+//     earlier that is still writing the rows they read (tests/test_pdl_release.py; tools/pdl_teeth.sh runs
+//     it against an entry-release build to show that it catches that).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -107,6 +118,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
   grid_dependency_wait();
+  // Release dependents here, not after the last store: see "PDL release" in the header comment.
+  launch_dependents();
 
   // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
   // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
@@ -300,11 +313,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     }
   }
 
-  // ---- release dependents after every store of the block ----
-  // (No cluster barrier before exit: every push into this block's shared memory completed before its
-  // mbarrier waits returned, and it pushes nothing after them.)
-  __syncthreads();
-  launch_dependents();
+  // No cluster barrier before exit: every push into this block's shared memory completed before its
+  // mbarrier waits returned, and it pushes nothing after them.
 }
 
 }  // namespace attnres::detail

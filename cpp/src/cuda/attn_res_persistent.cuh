@@ -38,8 +38,11 @@
 // the norm weight into thread-private shared memory) and the producer may issue copies of the first token's
 // bank rows 0..K-2 (written two or more calls ago) into slots never used yet; it executes the wait before the
 // first copy of a newest bank row K-1, a prefix or an addend, and every consumer waits before it reads a row
-// or stores anything. Dependents are released (griddepcontrol.launch_dependents) after a block-wide
-// barrier that follows every store of the block.
+// or stores anything. Each thread releases dependents (griddepcontrol.launch_dependents) right after its own
+// wait: the first release of a block counts, and whichever thread issues it has passed a wait, so this
+// grid's predecessor has completed. A dependent's pre-wait section therefore starts only once every kernel
+// two or more launches back has completed, which is what the bank rows 0..K-2 read before the wait rely on
+// (attn_res_per_token.cuh, "PDL release"; docs/ops/pdl.md).
 //
 // Proxy ordering: ring slots are written only by the copy engine (async proxy) and only read by the
 // consumers (generic loads, released through the empty mbarrier's arrive/wait). No generic store ever writes
@@ -166,6 +169,7 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
         // for the dependency (and the watchdog below counts on no wait depending on it).
         if (!waited && (r >= K - 1 || issued == p.slots)) {
           grid_dependency_wait();
+          launch_dependents();  // after the wait: see "PDL" in the header comment
           waited = true;
         }
         ++issued;
@@ -180,7 +184,10 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
       }
     }
   }
-  if (!waited) grid_dependency_wait();
+  if (!waited) {
+    grid_dependency_wait();
+    launch_dependents();
+  }
 }
 
 // P for this thread's vector: the prefix, or bf16(prefix + add) through a non-flushing fp32 add.
@@ -296,6 +303,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       for (int e = 0; e < 8; ++e) q[j][e] = b[e] * a[e];
     }
     grid_dependency_wait();
+    launch_dependents();  // after the wait: see "PDL" in the header comment
 
     RingCursor cur;
     for (int t = blockIdx.x; t < p.tokens; t += gridDim.x) {
@@ -458,10 +466,6 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       }
     }
   }
-
-  // ---- release dependents after every store of the block ----
-  __syncthreads();
-  launch_dependents();
 }
 
 }  // namespace attnres::detail
