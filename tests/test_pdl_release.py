@@ -7,10 +7,10 @@ its wait may have been written by any of them. The newest row K-1, the prefix an
 the launch just before and are loaded after the wait.
 
 The chains below make a violation visible. A "sleeper" (a foreign kernel that releases its dependents at
-entry and then spins for ~0.2 ms) goes first, so the writer after it is resident early and waits on it for a
-long time. The writer (the per-token add op with a snapshot write) writes bank row S only after that wait;
-zero, one or two fillers (per-token, persistent, moe_finalize or plain PyTorch kernels, on data of their own)
-follow; then a reader (split_k or the persistent kernel) mixes the writer's tokens, with row S among its
+entry and then spins for ~2 ms, longer than the host takes to launch the rest of the chain) goes first, so
+the writer after it is resident early and waits on it for a long time. The writer (the per-token add op with
+a snapshot write) writes bank row S only after that wait; zero, one or two fillers (per-token, persistent,
+moe_finalize or plain PyTorch kernels, on data of their own) follow; then a reader (split_k or the persistent kernel) mixes the writer's tokens, with row S among its
 pre-wait rows (its newest row, loaded after the wait, when no filler is between). Row S is poisoned before
 every run. With every release after the wait, the reader's pre-wait section starts only after the writer has
 completed, and its output equals, bit for bit, the same reader run on the settled bank with PDL off. A kernel
@@ -39,12 +39,15 @@ pytestmark = [requires_cuda, pytest.mark.gpu]
 
 BF16 = torch.bfloat16
 H = 7168
-T = 64            # the writer's and the reader's tokens
+# The writer's and the reader's tokens: few, as in decode, so that the kernels after the writer find room on
+# the SMs while its blocks wait (at T = 64 the reader's split_k blocks did not fit beside the writer's: no
+# overlap, nothing to catch).
+T = 4
 K_WRITER = 8      # the writer mixes rows 0..7 and writes its snapshot into row S = 8
 S = K_WRITER
 K_MAX = S + 2     # row S + 1: the reader's newest row when row S is one of its pre-wait rows
 REPEATS = 12
-SLEEP_ITERATIONS = 100_000  # the sleeper's dependent fma chain: ~0.2 ms on an H200
+SLEEP_ITERATIONS = 1_000_000  # the sleeper's dependent fma chain: ~2 ms on an H200, past the eager launches
 TEETH = os.environ.get("ATTNRES_PDL_TEETH") == "1"
 
 
