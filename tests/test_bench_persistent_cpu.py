@@ -1,6 +1,7 @@
 """The persistent benchmark suite's code that runs without a GPU (python/attnres/bench/persistent.py): the grid,
-the byte formula, the PyTorch step it times (against the oracle), the crossover and P5 read from records, the
-summary, and the CLI refusing to measure without a GPU."""
+the byte formula, the PyTorch step it times (against the oracle), the crossover and target P5 (docs/performance.md:
+>= 85% of the copy bandwidth at T >= 4096, N = 9, with the addend) read from records, the summary, and the CLI
+refusing to measure without a GPU."""
 
 from __future__ import annotations
 

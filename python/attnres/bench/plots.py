@@ -126,7 +126,7 @@ def make_plots(results_paths: list[str] | str, out_dir: str) -> list[str]:
         copy_tbs = floors.get("copy_tbs")
         if copy_tbs:
             ax.axhline(copy_tbs * 1000, color="gray", ls="--", label=f"measured copy bandwidth {copy_tbs:.2f} TB/s")
-            ax.axhline(0.85 * copy_tbs * 1000, color="gray", ls=":", label="P5: 85% of it")
+            ax.axhline(0.85 * copy_tbs * 1000, color="gray", ls=":", label="target: 85% of it")
             ax.legend(fontsize=7)
         save(fig, "gbps_vs_T_N9.png")
 
