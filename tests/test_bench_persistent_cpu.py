@@ -99,7 +99,7 @@ def test_summary_lines():
 def test_cli(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main(["--help"])
-    assert exc.value.code == 0 and "'persistent'" in capsys.readouterr().out
+    assert exc.value.code == 0 and "  persistent  the persistent kernel vs the per-token kernel" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exc:  # refused before anything is measured, GPU or not
         bench_main(["persistent", "--hidden", "7170"])
     assert exc.value.code == 2 and "--hidden must be a multiple of 8" in capsys.readouterr().err
