@@ -117,7 +117,7 @@ fi
 # The guard's baseline (GUARD_BASELINE): the landed kernels' guard run (f2a5a55's kernels, the two-GPU host's GPU 1,
 # the current benchmark harness); bench_results/h200_4aed4f9.json is the older, faster build's (docs/performance.md).
 if has chain; then
-  step "decode-chain benchmark (P6) and the regression guard"
+  step "decode-chain benchmark and the regression guard"
   timeout -s INT -k 20 "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
   if [[ ${GUARD:-1} == 1 ]]; then
     timeout 120 python3 -m attnres.bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" \
@@ -125,7 +125,7 @@ if has chain; then
   fi
 fi
 if has persistent; then
-  step "persistent-kernel benchmark (P5, per-token/persistent crossover)"
+  step "persistent-kernel benchmark (per-token/persistent crossover)"
   timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
 fi

@@ -109,7 +109,7 @@ TEST(PlanPersistent, FastPathGeometry) {
     EXPECT_EQ(p.threads, pin.threads);
     EXPECT_EQ(p.slots, pin.slots);
   }
-  // P5's shape (T >= 4096, N = 9, add, H = 7168): one pass, 10 rows per token in a 16-slot ring.
+  // The bandwidth target's shape (T >= 4096, N = 9, add, H = 7168; docs/performance.md): one pass, 10 rows per token in a 16-slot ring.
   Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), h200(), Options{});
   EXPECT_EQ(p.passes, 1);
   EXPECT_EQ(p.smem_bytes, 1408 + 16 * 14336);
