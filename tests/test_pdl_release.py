@@ -10,7 +10,8 @@ The chains below make a violation visible. A "sleeper" (a foreign kernel that re
 entry and then spins for ~2 ms, longer than the host takes to launch the rest of the chain) goes first, so
 the writer after it is resident early and waits on it for a long time. The writer (the per-token add op with
 a snapshot write) writes bank row S only after that wait; zero, one or two fillers (per-token, persistent,
-moe_finalize or plain PyTorch kernels, on data of their own) follow; then a reader (split_k or the persistent kernel) mixes the writer's tokens, with row S among its
+moe_finalize or plain PyTorch kernels, on data of their own) follow; then a reader (split_k or the persistent
+kernel) mixes the writer's tokens, with row S among its
 pre-wait rows (its newest row, loaded after the wait, when no filler is between). Row S is poisoned before
 every run. With every release after the wait, the reader's pre-wait section starts only after the writer has
 completed, and its output equals, bit for bit, the same reader run on the settled bank with PDL off. A kernel
