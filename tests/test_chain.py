@@ -132,7 +132,8 @@ CASES = {
     "persistent_topology": (SMALL, dict(topology="persistent"), 4, R.TOPOLOGY),
     "max_candidates": (SMALL, dict(fold_max_candidates=3), 4, R.MAX_CANDIDATES_REASON),
     "final_capture": (FINAL_CAPTURED, {}, 4, R.FINAL_CAPTURE),
-    "window": (SMALL, dict(max_tokens=2), 4, R.WINDOW),
+    # the per-token topology's window: above it the sites run eager (auto runs the fused kernels at any T)
+    "window": (SMALL, dict(max_tokens=2, topology="per_token"), 4, R.WINDOW),
     "device": (SMALL, "absent_kernel", 4, R.DEVICE),
     "fused_off": (SMALL, dict(fused=False), 4, R.FUSED_OFF),
 }

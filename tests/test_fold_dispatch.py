@@ -89,7 +89,7 @@ def test_fold_with_snapshot_write_and_tap(device, mixture):
 
 
 def test_outside_the_window_the_eager_path_runs(device):
-    settings = ResidualSettings(fold=True, max_tokens=4)
+    settings = ResidualSettings(fold=True, max_tokens=4, topology="per_token")
     assert tail_route(settings, tokens=4, hidden=H, dtype=torch.bfloat16).path == R.DEFER
     producer = tail_route(settings, tokens=5, hidden=H, dtype=torch.bfloat16)
     assert (producer.path, producer.reason) == (R.MATERIALIZE, R.WINDOW)

@@ -25,7 +25,7 @@ EXPECTED = {  # name -> (default, kind-specific domain): pins the table of docs/
     "KIMI_K3_MOE_TAIL_ADD_FOLD": (False, None),
     "KIMI_K3_FUSED_ATTN_RES": (True, None),
     "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": (32, (0, 16384)),
-    "KIMI_K3_ATTN_RES_TOPOLOGY": ("per_token", ("per_token", "persistent", "split")),
+    "KIMI_K3_ATTN_RES_TOPOLOGY": ("auto", ("auto", "per_token", "persistent", "split")),
     "KIMI_K3_AUX_ATTN_RES_STREAM": (True, None),
     "ATTNRES_MOE_FINALIZE_MAX_TOKENS": (16, (0, 16)),
 }
@@ -126,7 +126,7 @@ def test_word_accepts_each_listed_word(k):
 
 
 @pytest.mark.parametrize("k", WORD_KNOBS, ids=ids)
-@pytest.mark.parametrize("raw", ["PER_TOKEN", "Persistent", "per-token", "pertoken", "split,", "1", "auto",
+@pytest.mark.parametrize("raw", ["PER_TOKEN", "Persistent", "per-token", "pertoken", "split,", "1", "AUTO",
                                  "per_token x"])
 def test_word_garbage_raises_naming_the_words(k, raw):
     with pytest.raises(KnobError) as e:

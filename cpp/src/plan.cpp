@@ -36,6 +36,7 @@ const char* topology_name(Topology topology) {
     case Topology::per_token: return "per_token";
     case Topology::persistent: return "persistent";
     case Topology::split: return "split";
+    case Topology::automatic: return "auto";
   }
   return "unknown_topology";
 }
@@ -59,6 +60,8 @@ int32_t one_block_threads(int64_t hidden) {
   return static_cast<int32_t>((chunks - 1) * tuning::kSplitKBlockVectors) + round_up(tuning::split_k_chunk(hidden), 32);
 }
 
+std::string persistent_decline(const PlanQuery& q);
+
 bool routes_to_persistent(const PlanQuery& q, const Options& o) {
   if (q.op == AttnResOp::attn_res_add_rmsnorm_persistent) return true;
   if (o.kernel == KernelKind::persistent) return true;  // forced: declined below for attn_res
@@ -66,6 +69,8 @@ bool routes_to_persistent(const PlanQuery& q, const Options& o) {
   if (o.kernel == KernelKind::single_cta || o.kernel == KernelKind::split_k) return false;
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
+  if (o.topology == Topology::automatic)
+    return tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden) && persistent_decline(q).empty();
   return false;
 }
 
@@ -154,7 +159,13 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
     return declined("T = " + std::to_string(q.tokens) + " exceeds the per-launch limit of " +
                     std::to_string(tuning::kMaxTokensPerLaunch) + " tokens");
 
-  if (persistent) return persistent_plan(q, dev, o);
+  if (persistent) {
+    Plan p = persistent_plan(q, dev, o);
+    // The automatic topology takes the persistent kernel only where it runs; elsewhere the per-token kernels.
+    if (p.accepted() || o.topology != Topology::automatic || o.kernel == KernelKind::persistent ||
+        q.op == AttnResOp::attn_res_add_rmsnorm_persistent)
+      return p;
+  }
 
   const int64_t vecs = q.hidden / 8;  // 16-byte vectors per row
   const bool single_fits =

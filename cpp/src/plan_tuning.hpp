@@ -83,4 +83,14 @@ constexpr int32_t split_k_chunk(int64_t hidden) {
 }
 constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
+// The automatic topology's crossover: the persistent kernel from this many tokens up (where it supports the
+// call). Measured on the H200 with the kernels' release right after the PDL wait (bench persistent; docs/
+// performance.md, "Persistent kernel"): see the results file named there.
+constexpr int64_t kAutomaticPersistentMinTokens = 128;
+inline bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden) {
+  (void)candidates;
+  (void)hidden;
+  return tokens >= kAutomaticPersistentMinTokens;
+}
+
 }  // namespace attnres::tuning

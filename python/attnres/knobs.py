@@ -88,7 +88,7 @@ KNOBS = (
     BoolKnob("KIMI_K3_FUSED_ATTN_RES", True, "0: every attention-residual site takes the eager reference path"),
     IntKnob("KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS", 32, 0, 16384,
             "per-rank token ceiling of the per-token fused kernels (the fold window; the split topology's ceiling)"),
-    WordKnob("KIMI_K3_ATTN_RES_TOPOLOGY", "per_token", ("per_token", "persistent", "split"),
+    WordKnob("KIMI_K3_ATTN_RES_TOPOLOGY", "auto", ("auto", "per_token", "persistent", "split"),
              "kernel topology of the fused sites"),
     BoolKnob("KIMI_K3_AUX_ATTN_RES_STREAM", True, "what a capture tap holds: 1 the pre-norm mixture, 0 the raw prefix"),
     # Default 16 (the top of the range), chosen by the same-run interleaved A/B of bench_results/h200_4aed4f9.json:

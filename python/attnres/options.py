@@ -7,13 +7,15 @@ from dataclasses import dataclass
 
 from . import _C
 
-TOPOLOGIES = ("per_token", "persistent", "split")
+TOPOLOGIES = ("auto", "per_token", "persistent", "split")
 KERNELS = ("auto", "cpu", "single_cta", "split_k", "persistent")
 
 
 @dataclass(frozen=True)
 class Options:
-    topology: str = "per_token"  # per_token | persistent | split
+    # auto (default): per-token up to the measured crossover, persistent above where it supports the call (the
+    # same bits either way); per_token | persistent force one family; split: per-token up to split_max_tokens
+    topology: str = "auto"
     # topology "split": per-token kernels up to this T, persistent above (the default is the C++ library's)
     split_max_tokens: int = _C.Options().split_max_tokens
     pdl: bool = True  # programmatic dependent launch on the CUDA kernels

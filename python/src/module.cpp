@@ -72,7 +72,8 @@ NB_MODULE(_C, m) {
   nb::enum_<Topology>(m, "Topology")
       .value("per_token", Topology::per_token)
       .value("persistent", Topology::persistent)
-      .value("split", Topology::split);
+      .value("split", Topology::split)
+      .value("auto", Topology::automatic);
   nb::enum_<KernelKind>(m, "KernelKind")
       .value("auto", KernelKind::automatic)
       .value("cpu", KernelKind::cpu)

@@ -47,17 +47,20 @@ struct AttnResArgs {
   void* stream = nullptr;  // cudaStream_t of the caller; ignored on the CPU backend
 };
 
-enum class Topology : int32_t { per_token = 0, persistent = 1, split = 2 };
+enum class Topology : int32_t { per_token = 0, persistent = 1, split = 2, automatic = 3 };
 enum class KernelKind : int32_t { automatic = 0, cpu = 1, single_cta = 2, split_k = 3, persistent = 4 };
 const char* kernel_name(KernelKind kernel);
 const char* topology_name(Topology topology);
 
 // Options come in as arguments; the library reads no environment variable.
 struct Options {
-  Topology topology = Topology::per_token;
-  // topology split: per-token kernels up to this T, persistent above. 64: the measured crossover at H = 7168
-  // (bench_results/h200_e391449_persistent.json: persistent faster from T = 128 at N = 5, 9, 12, with and
-  // without the addend; at N = 2 the per-token kernel is 5-16 % faster up to T = 1024; docs/performance.md).
+  // automatic (default): the per-token kernels up to the measured crossover (plan_tuning.hpp
+  // automatic_prefers_persistent), the persistent kernel above it where it supports the call (no add2, tap or
+  // snapshot write), else the per-token kernels at any T. Every CUDA kernel gives the same bits
+  // (docs/ops/common.md section 8), so the choice never changes a result. per_token / persistent force one
+  // family; split: per-token up to split_max_tokens, persistent above (declining what it cannot do).
+  Topology topology = Topology::automatic;
+  // topology split: per-token kernels up to this T, persistent above.
   int64_t split_max_tokens = 64;
   bool pdl = true;                // programmatic dependent launch on the CUDA kernels
   KernelKind kernel = KernelKind::automatic;  // force a kernel (tests, benchmarks); still validated

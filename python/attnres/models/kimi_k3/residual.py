@@ -69,7 +69,7 @@ class ResidualSettings:
     fold: bool = False  # KIMI_K3_MOE_TAIL_ADD_FOLD
     fused: bool = True  # KIMI_K3_FUSED_ATTN_RES
     max_tokens: int = 32  # KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS
-    topology: str = "per_token"  # KIMI_K3_ATTN_RES_TOPOLOGY
+    topology: str = "auto"  # KIMI_K3_ATTN_RES_TOPOLOGY
     aux_stream: bool = True  # KIMI_K3_AUX_ATTN_RES_STREAM: taps hold the pre-norm mixture (else the raw prefix)
     kernel: str = "auto"  # Options.kernel of the fused sites (forcing one a device lacks makes the plan decline)
     pdl: bool = True
