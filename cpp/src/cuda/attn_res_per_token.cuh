@@ -23,14 +23,16 @@
 
 #include <cstdint>
 
+#include "attnres/limits.hpp"
 #include "cuda/attn_res_params.cuh"
 #include "cuda/device_utils.cuh"
 
 namespace attnres::detail {
 
-constexpr int kMaxClusterRanks = 8;  // the portable cluster limit (plan_tuning.hpp kMaxCluster)
-constexpr int kSingleCtaMaxThreads = 1024;
-constexpr int kSplitKMaxThreads = 256;
+// The plan's limits (attnres/limits.hpp) size the kernel's shared arrays and launch bounds.
+constexpr int kMaxClusterRanks = attnres::kMaxCluster;
+constexpr int kSingleCtaMaxThreads = static_cast<int>(attnres::kSingleCtaMaxThreads);
+constexpr int kSplitKMaxThreads = static_cast<int>(attnres::kSplitKMaxThreads);
 
 // sum_{i < count} base[i * stride] in index order (warps of a block, or ranks of a cluster); the loads are
 // issued together (unrolled to MAX, clamped index, masked add: adding +0 to a sum that started at +0 changes
