@@ -854,7 +854,7 @@ def test_library_options_validation(field, value, message, device):
 def test_plan_argument_errors():
     with _rejects(ValueError, "attnres.plan: op must be one of"):
         attnres.plan("attn_res_fast", tokens=1, candidates=2, hidden=64)
-    with _rejects(ValueError, "attnres.plan: device meta is not supported (cpu or cuda)"):
+    with _rejects(ValueError, "attnres.plan: device meta is not supported (cpu, cuda, h100, h200 or a property dict)"):
         attnres.plan("attn_res", tokens=1, candidates=2, hidden=64, device="meta")
 
 

@@ -70,9 +70,9 @@ def _check_well_formed(rows: Tensor, weights: Tensor, index: Tensor, shared: Ten
         if t is not None and t.device != rows.device:
             raise _argument_error(name, f"is on {t.device} but rows is on {rows.device} (all tensors must be on one device)")
     if not math.isfinite(eps) or eps < 0:
-        raise _argument_error("eps", f"must be finite and >= 0, got {eps:f}")
+        raise _argument_error("eps", f"must be finite and >= 0, got {eps!r}")
     if not math.isfinite(scale):
-        raise _argument_error("scale", f"must be finite, got {scale:f}")
+        raise _argument_error("scale", f"must be finite, got {scale!r}")
     if rows.device.type == "cpu":
         check_index_range(index, R)
 
