@@ -179,8 +179,11 @@ def test_compiled_snapshot_call_outside_the_storage_is_refused(device):
         return attnres.attn_res_add_rmsnorm(lr, add, bank[:3], res_w, rms_w, norm_w, 1e-5, 1e-5, snapshot_slot=5)
 
     bank = inp.bank_buffer.clone()
-    with pytest.raises(ValueError, match=r"^attn_res_add_rmsnorm: snapshot_slot 5 lies outside block_residual's "
-                                         r"storage \(the bank must be allocated with at least 6 snapshot rows\)$"):
+    # Refused while tracing (the fake implementation checks the bank's rows; the compiler wraps the error) or,
+    # where the traced view passes, by the real op's storage check.
+    with pytest.raises(Exception) as e:
         torch.compile(step, fullgraph=True)(inp.layer_residual, inp.add, bank, inp.res_weight, inp.rms_weight,
                                             inp.norm_weight)
+    assert "ArgumentError" in repr(e.value) or isinstance(e.value, attnres.ArgumentError), repr(e.value)
+    assert "attn_res_add_rmsnorm: snapshot_slot 5 lies outside" in str(e.value)
     assert_same_bits(bank, inp.bank_buffer, "bank after the refused compiled call")

@@ -386,7 +386,7 @@ def _public_rejections():
         ("norm_weight_f32", sub(norm_weight=lambda c: c.norm_weight.float()), "moe_finalize: norm_weight must be bfloat16, got float32"),
         ("eps_nan", sub(eps=NAN), "moe_finalize: eps must be finite and >= 0, got nan"),
         ("eps_inf", sub(eps=math.inf), "moe_finalize: eps must be finite and >= 0, got inf"),
-        ("eps_negative", sub(eps=-1e-6), "moe_finalize: eps must be finite and >= 0, got -0.000001"),
+        ("eps_negative", sub(eps=-1e-6), "moe_finalize: eps must be finite and >= 0, got -1e-06"),
         ("scale_nan", sub(scale=NAN), "moe_finalize: scale must be finite, got nan"),
         ("scale_inf", sub(scale=-math.inf), "moe_finalize: scale must be finite, got -inf"),
     ]

@@ -374,17 +374,18 @@ def test_output_wrong_shape(op, name, shape, dtype, message, device):
 DTYPE_CASES = [(op, name, dt) for op in OPS for name in OP_INPUTS[op] for dt in (torch.float32,)] + [
     ("attn_res_add_rmsnorm", "layer_residual", torch.float16), ("attn_res", "block_residual", torch.float16),
     ("attn_res_rmsnorm", "norm_weight", torch.float64), ("attn_res", "res_weight", torch.int32),
-    ("attn_res", "rms_weight", torch.complex64),
+    ("attn_res", "rms_weight", torch.complex64), ("attn_res", "layer_residual", torch.bool),
+    ("attn_res_rmsnorm", "res_weight", torch.int16), ("attn_res_add_rmsnorm", "block_residual", torch.uint32),
 ]
 DTYPE_NAMES = {BF16: "bfloat16", torch.float32: "float32", torch.float16: "float16", torch.float64: "float64", torch.int32: "int32",
-               torch.complex64: "an unsupported dtype"}
+               torch.complex64: "complex64", torch.bool: "bool", torch.int16: "int16", torch.uint32: "uint32"}
 
 
 @pytest.mark.parametrize("op,name,dtype", DTYPE_CASES, ids=[f"{o}-{n}-{d}" for o, n, d in DTYPE_CASES])
 def test_input_wrong_dtype(op, name, dtype, device):
     inp = _inputs(device)
     w = Written(inp)
-    bad = w.new(_case_value(inp, name).to(dtype) if dtype != torch.int32 else
+    bad = w.new(_case_value(inp, name).to(dtype) if dtype not in (torch.int32, torch.int16, torch.uint32) else
                 torch.randint(1, 9, _case_value(inp, name).shape, dtype=dtype, device=device))
     with w, _rejects(attnres.ArgumentError, f"{op}: {name} must be bfloat16, got {DTYPE_NAMES[dtype]}"):
         _public(op, inp, **{name: bad})
@@ -581,7 +582,7 @@ def test_attn_res_ignores_norm_eps(device):
 # ================================================================================================ 7. snapshot row
 def test_snapshot_slot_negative_python(device):
     inp = _inputs(device)
-    with Written(inp), _rejects(ValueError, "attn_res_add_rmsnorm: snapshot_slot must be None or a row index >= K, "
+    with Written(inp), _rejects(attnres.ArgumentError, "attn_res_add_rmsnorm: snapshot_slot must be None or a row index >= K, "
                                 "got -1"):
         _public("attn_res_add_rmsnorm", inp, snapshot_slot=-1)
 
@@ -853,7 +854,7 @@ def test_library_options_validation(field, value, message, device):
 def test_plan_argument_errors():
     with _rejects(ValueError, "attnres.plan: op must be one of"):
         attnres.plan("attn_res_fast", tokens=1, candidates=2, hidden=64)
-    with _rejects(ValueError, "attnres.plan: device meta is not supported (cpu or cuda)"):
+    with _rejects(ValueError, "attnres.plan: device meta is not supported (cpu, cuda, h100, h200 or a property dict)"):
         attnres.plan("attn_res", tokens=1, candidates=2, hidden=64, device="meta")
 
 

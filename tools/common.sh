@@ -100,10 +100,12 @@ setup_python() {
 
 # The package, built against the torch/nanobind already installed (no build isolation: an isolated build
 # would download its own, unpinned, copies).
+# PACKAGE_PIP_ARGS: extra pip arguments (setup_and_test.sh builds the C++ tests in the package's build).
+PACKAGE_PIP_ARGS=(${PACKAGE_PIP_ARGS[@]+"${PACKAGE_PIP_ARGS[@]}"})
 install_package() {
   local no_deps=()
   [ "$ATTNRES_NO_VENV" = 1 ] && no_deps=(--no-deps)
-  "$PYTHON" -m pip install -q --no-build-isolation "${no_deps[@]}" .
+  "$PYTHON" -m pip install -q --no-build-isolation "${no_deps[@]}" ${PACKAGE_PIP_ARGS[@]+"${PACKAGE_PIP_ARGS[@]}"} .
   "$PYTHON" -c 'import attnres; print("[attnres] installed", attnres.__version__, attnres.backend_info())' >&2
 }
 

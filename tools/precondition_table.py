@@ -13,7 +13,7 @@ Messages come from every place that raises one:
     per literal argument it is called with in the same family (e.g. check.layout("rows", ...)) plus once for
     its calls with computed arguments (shown as <arg>).
   * Python: `raise ...(f"...")` and `_argument_error(arg, f"...")` in python/attnres/_tensors.py, ops.py,
-    _custom_ops.py, options.py, planning.py and moe.py.
+    _custom_ops.py, options.py, planning.py, moe_ops.py and moe_tail.py.
 The rule shown is the condition the message is raised under (the `if` around it).
 
 A test covers a message when one of its string literals (an f-string's fields, a `.format` field or a `.*` of
@@ -43,7 +43,8 @@ CPP_SOURCES = {"cpp/src/checks.hpp": None, "cpp/src/validate.cpp": "attention", 
                "cpp/src/moe_finalize_validate.cpp": "moe"}
 PY_SOURCES = {"python/attnres/_tensors.py": "attention", "python/attnres/ops.py": "attention",
               "python/attnres/_custom_ops.py": "attention", "python/attnres/options.py": "attention",
-              "python/attnres/planning.py": "attention", "python/attnres/moe.py": "moe"}
+              "python/attnres/planning.py": "attention", "python/attnres/moe_ops.py": "moe",
+              "python/attnres/moe_tail.py": "moe"}
 MIN_LITERAL = 10
 
 # Messages the parser lists but no call can raise, with the reason (checked: each must still be listed).
@@ -62,6 +63,8 @@ UNREACHABLE = {
     ("attention", "output", "output is not an argument of this op"): "required by every op",
     ("attention", "layer_residual", "layer_residual must have shape <...> = <...>, got <...>"):
         "layer_residual is checked against [*, *] (T and H are read from it): only its rank can be wrong",
+    ("attention", "<arg>", "<arg> must be finite, got <...>"): "only moe_finalize's scale takes this check",
+    ("attention", "<arg>", "<arg> must be finite, got <...><...>"): "only moe_finalize's scale takes this check",
 }
 
 

@@ -43,9 +43,20 @@ class Checker {
                     " (all tensors must be on one device)");
   }
 
+  // The kernels compute in fp32: a double that is finite but overflows fp32 (1e39) is refused as well.
   void eps(const char* arg, double v) const {
-    if (!std::isfinite(v) || v < 0) fail(arg, "must be finite and >= 0, got " + std::to_string(v));
+    if (!std::isfinite(v) || v < 0) fail(arg, "must be finite and >= 0, got " + number_string(v));
+    if (!finite_as_f32(v)) fail(arg, "must be finite and >= 0, got " + number_string(v) + f32_overflow);
   }
+
+  void finite(const char* arg, double v) const {
+    if (!std::isfinite(v)) fail(arg, "must be finite, got " + number_string(v));
+    if (!finite_as_f32(v)) fail(arg, "must be finite, got " + number_string(v) + f32_overflow);
+  }
+
+  static constexpr const char* f32_overflow = " (infinite as float32, the precision the kernels compute in)";
+  // |v| below FLT_MAX + half an ulp rounds to a finite float (the cast itself would be undefined above it).
+  static bool finite_as_f32(double v) { return std::isfinite(v) && std::fabs(v) < 0x1.ffffffp+127; }
 
   // The CUDA kernels read and write 16-byte vectors (8 x bf16): base pointer and every outer stride aligned.
   void aligned16(const char* arg, const TensorRef& t) const {

@@ -47,4 +47,23 @@ DeviceInfo query_device(Device device) {
 #endif
 }
 
+DeviceInfo described_device(const std::string& name) {
+  DeviceInfo info;
+  info.device = Device{DeviceType::cuda, 0};
+  info.cuda_backend = true;
+  info.cc_major = 9;
+  info.cc_minor = 0;
+  info.shared_memory_per_block_optin = 232448;  // cudaDevAttrMaxSharedMemoryPerBlockOptin on sm_90
+  if (name == "h200") {
+    info.sm_count = 132;
+    info.name = "NVIDIA H200";
+  } else if (name == "h100") {
+    info.sm_count = 132;
+    info.name = "NVIDIA H100 80GB HBM3";
+  } else {
+    throw ArgumentError("attnres: no described device '" + name + "' (h100 or h200)");
+  }
+  return info;
+}
+
 }  // namespace attnres

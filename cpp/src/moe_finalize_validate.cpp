@@ -66,7 +66,7 @@ struct Named {
 
 }  // namespace
 
-void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
+void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output, bool read_data) {
   // 1. Required arguments.
   if (!a.rows.present()) fail("rows", "is required");
   if (!a.weights.present()) fail("weights", "is required");
@@ -138,7 +138,7 @@ void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
 
   // 8. Scalars.
   check.eps("eps", a.eps);
-  if (!std::isfinite(a.scale)) fail("scale", "must be finite, got " + std::to_string(a.scale));
+  check.finite("scale", a.scale);
 
   // 9. The output aliases no input.
   if (a.output.present())
@@ -151,7 +151,7 @@ void validate_moe_finalize(const MoeFinalizeArgs& a, bool require_output) {
     for (const Named& t : {Named{"rows", &a.rows}, Named{"shared", &a.shared}, Named{"norm_weight", &a.norm_weight},
                            Named{"output", &a.output}})
       check.aligned16(t.name, *t.ref);
-  } else {
+  } else if (read_data) {
     scan_index(a.index, R);
   }
 }

@@ -12,11 +12,13 @@
 
 #include <cstdint>
 
+#include "attnres/limits.hpp"
 #include "plan_tuning.hpp"
 
 namespace attnres::persistent {
 
-constexpr int32_t kMaxCandidates = 16;      // the ops' N limit (attn_res.hpp kMaxCandidates)
+// The partials buffer is sized for every candidate the ops accept.
+constexpr int32_t kMaxCandidates = static_cast<int32_t>(attnres::kMaxCandidates);
 constexpr int32_t kMaxConsumerWarps = 8;    // 256 consumer threads
 constexpr int32_t kProducerThreads = 32;    // one producer warp
 constexpr int32_t kMaxThreads = kMaxConsumerWarps * 32 + kProducerThreads;
@@ -84,5 +86,9 @@ constexpr int32_t max_slots(int64_t budget, int64_t hidden) {
     if (smem_bytes(s, hidden) <= budget) return s;
   return 0;
 }
+
+static_assert(consumer_threads(attnres::kMaxHidden) <= kMaxConsumerWarps * 32,
+              "the persistent kernel's consumer warps must cover the largest H");
+static_assert(vectors_per_thread(attnres::kMaxHidden) <= 8, "the persistent kernel has vector buckets up to 8");
 
 }  // namespace attnres::persistent

@@ -4,14 +4,23 @@
 
 #include <cstdint>
 
+#include "attnres/limits.hpp"
+
 namespace attnres::tuning {
 
-// Compile-time buckets of N the per-token kernels are instantiated for (registers and instructions per
-// thread scale with the bucket; N itself is a runtime value <= the bucket). Kimi K3's sites use N = 2..9.
-// No bucket of 6: measured on the H200 (T = 1, H = 7168, add2), N = 5-6 in a bucket of 6 took 3.80 us,
-// N = 7-9 in the bucket of 9 took 3.47 us.
-constexpr int32_t kCandidateBuckets[] = {2, 4, 9, 12, 16};
-constexpr int kNumCandidateBuckets = 5;
+// The kernel-shape limits live in attnres/limits.hpp; why they have these values:
+// * Buckets of N (kCandidateBuckets): Kimi K3's sites use N = 2..9. No bucket of 6: measured on the H200
+//   (T = 1, H = 7168, add2), N = 5-6 in a bucket of 6 took 3.80 us, N = 7-9 in the bucket of 9 took 3.47 us.
+// * single_cta's N <= 4 (kSingleCtaMaxCandidates): the N <= 8 instance spilled 160 bytes (ptxas -v).
+// * Clusters of at most the portable 8 blocks (kMaxCluster): 16 (non-portable) was measured no faster on the
+//   H200 (T = 1, N = 9, H = 7168: 3.60 us vs 3.59 us at 8; docs/performance.md).
+using attnres::kCandidateBuckets;
+using attnres::kMaxCluster;
+using attnres::kNumCandidateBuckets;
+using attnres::kSingleCtaMaxCandidates;
+using attnres::kSingleCtaMaxThreads;
+using attnres::kSplitKMaxThreads;
+
 // The smallest bucket that holds n candidates (the per-token kernels' instance; the persistent kernel repeats
 // what the bucket's padding does to the mixture).
 constexpr int32_t candidate_bucket(int64_t n) {
@@ -20,18 +29,6 @@ constexpr int32_t candidate_bucket(int64_t n) {
   return kCandidateBuckets[kNumCandidateBuckets - 1];
 }
 
-// single_cta keeps a token's N rows in one block's registers, one 16-byte vector per thread and row:
-// 1024 threads (the block limit) x 8 elements bounds H to 8192, and the 64-register cap of a 1024-thread
-// block bounds N to 4 (the N <= 8 instance spilled 160 bytes; ptxas -v).
-constexpr int64_t kSingleCtaMaxThreads = 1024;
-constexpr int64_t kSingleCtaMaxCandidates = 4;
-
-// split_k blocks are compiled for at most 256 threads (so the N = 16 bucket keeps its 64 registers of row
-// data without spilling); H = 16384 fits a cluster of 8.
-constexpr int64_t kSplitKMaxThreads = 256;
-// Clusters are at most the portable 8 blocks: 16 (non-portable) was measured no faster on the H200
-// (T = 1, N = 9, H = 7168: 3.60 us vs 3.59 us at 8; docs/performance.md).
-constexpr int32_t kMaxCluster = 8;
 
 // The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). One block per SM: its ring
 // takes the block's whole shared-memory budget (227 KB on sm_90), so a second block could not be resident.

@@ -1,6 +1,7 @@
 #include "attnres/tensor.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <string>
 
 #include "attnres/error.hpp"
@@ -17,6 +18,15 @@ const char* dtype_name(DType dtype) {
     case DType::i64: return "int64";
     case DType::u8: return "uint8";
     case DType::other: return "an unsupported dtype";
+    case DType::boolean: return "bool";
+    case DType::i8: return "int8";
+    case DType::i16: return "int16";
+    case DType::u16: return "uint16";
+    case DType::u32: return "uint32";
+    case DType::u64: return "uint64";
+    case DType::c32: return "complex32";
+    case DType::c64: return "complex64";
+    case DType::c128: return "complex128";
   }
   return "an unsupported dtype";
 }
@@ -31,6 +41,15 @@ int64_t dtype_size(DType dtype) {
     case DType::i64: return 8;
     case DType::u8: return 1;
     case DType::other: return 1;
+    case DType::boolean: return 1;
+    case DType::i8: return 1;
+    case DType::i16: return 2;
+    case DType::u16: return 2;
+    case DType::u32: return 4;
+    case DType::u64: return 8;
+    case DType::c32: return 4;
+    case DType::c64: return 8;
+    case DType::c128: return 16;
   }
   return 1;
 }
@@ -67,6 +86,12 @@ static std::string list_string(const int64_t* v, int n) {
     s += std::to_string(v[i]);
   }
   return s + "]";
+}
+
+std::string number_string(double v) {
+  char buf[32];
+  const auto r = std::to_chars(buf, buf + sizeof buf, v);
+  return std::string(buf, r.ptr);
 }
 
 std::string TensorRef::shape_string() const { return list_string(shape, ndim < 0 ? 0 : ndim); }

@@ -98,6 +98,12 @@ TEST(Names, DtypesDevicesOpsKernelsTopologies) {
   EXPECT_STREQ(attnres::dtype_name(DType::f32), "float32");
   EXPECT_STREQ(attnres::dtype_name(DType::f16), "float16");
   EXPECT_STREQ(attnres::dtype_name(DType::other), "an unsupported dtype");
+  EXPECT_STREQ(attnres::dtype_name(DType::boolean), "bool");
+  EXPECT_STREQ(attnres::dtype_name(DType::i16), "int16");
+  EXPECT_STREQ(attnres::dtype_name(DType::u32), "uint32");
+  EXPECT_STREQ(attnres::dtype_name(DType::c64), "complex64");
+  EXPECT_EQ(attnres::dtype_size(DType::c128), 16);
+  EXPECT_EQ(attnres::dtype_size(DType::u16), 2);
   EXPECT_EQ(attnres::dtype_size(DType::bf16), 2);
   EXPECT_EQ(attnres::dtype_size(DType::f16), 2);
   EXPECT_EQ(attnres::dtype_size(DType::f32), 4);
@@ -241,3 +247,23 @@ TEST(Limits, SupportedRangeConstants) {
 
 }  // namespace
 }  // namespace attnres_test
+
+// Error messages print doubles exactly (shortest round-trip text), never with a fixed 6 decimals.
+TEST(Names, NumbersPrintExactly) {
+  EXPECT_EQ(attnres::number_string(-1e-7), "-1e-07");
+  EXPECT_EQ(attnres::number_string(1e39), "1e+39");
+  EXPECT_EQ(attnres::number_string(0.1), "0.1");
+  EXPECT_EQ(attnres::number_string(-1.0), "-1");
+}
+
+// A described GPU answers the plan without the GPU, with the properties the library would query on it.
+TEST(DescribedDevice, H100AndH200) {
+  for (const char* name : {"h100", "h200"}) {
+    const attnres::DeviceInfo d = attnres::described_device(name);
+    EXPECT_EQ(d.cc_major, 9);
+    EXPECT_EQ(d.sm_count, 132);
+    EXPECT_TRUE(d.cuda_backend);
+    EXPECT_EQ(d.device.type, attnres::DeviceType::cuda);
+  }
+  EXPECT_THROW(attnres::described_device("a100"), attnres::ArgumentError);
+}

@@ -211,6 +211,7 @@ struct GpuShape {
   const char* name;
   Config cfg;
 };
+void PrintTo(const GpuShape& s, std::ostream* os) { *os << s.name; }
 
 std::vector<GpuShape> gpu_shapes() {
   using BL = BankLayout;

@@ -230,6 +230,13 @@ struct Shape {
   int64_t pad;
 };
 
+// Readable test names and ctest labels (gtest prints a struct without PrintTo as raw bytes).
+std::string shape_name(const Shape& s) {
+  return "T" + std::to_string(s.T) + "_k" + std::to_string(s.k) + "_D" + std::to_string(s.D) +
+         (s.bf16_weights ? "_wbf16" : "_wf32") + (s.shared ? "_shared" : "") + (s.norm ? "_norm" : "");
+}
+void PrintTo(const Shape& s, std::ostream* os) { *os << shape_name(s); }
+
 class CpuBackend : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CpuBackend, MatchesOracleAndEmulation) {
@@ -257,11 +264,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Shape{2, 8, 200, false, true, false, 0.5, 0.3, 8}, Shape{4, 32, 64, true, false, true, -1.5, 0.5, 0},
                       Shape{8, 16, 7168, false, true, true, 1.0, 0.1, 16}, Shape{33, 8, 200, true, true, false, 3.0, 0.2, 0},
                       Shape{3, 4, 16384, false, false, true, 1.0, 0.1, 0}),
-    [](const ::testing::TestParamInfo<Shape>& info) {
-      const Shape& s = info.param;
-      return "T" + std::to_string(s.T) + "_k" + std::to_string(s.k) + "_D" + std::to_string(s.D) +
-             (s.bf16_weights ? "_wbf16" : "_wf32") + (s.shared ? "_shared" : "") + (s.norm ? "_norm" : "");
-    });
+    [](const ::testing::TestParamInfo<Shape>& info) { return shape_name(info.param); });
 
 TEST(MoeFinalizeCpu, DeterministicAndIndependentOfTheBatch) {
   Problem p(6, 16, 512, 77, false, true, true, 1.25);
@@ -374,8 +377,10 @@ std::vector<Rejection> rejections() {
       {"output_strided", [](A& a, P&) { a.output.strides[1] = 2; a.output.shape[1] = 64; a.output.strides[0] = 128; },
        op + "output must have a contiguous last dimension (stride 1)"},
       {"eps_nan", [](A& a, P&) { a.eps = std::nan(""); }, op + "eps must be finite and >= 0, got nan"},
-      {"eps_negative", [](A& a, P&) { a.eps = -1.0; }, op + "eps must be finite and >= 0, got -1.000000"},
+      {"eps_negative", [](A& a, P&) { a.eps = -1.0; }, op + "eps must be finite and >= 0, got -1"},
       {"scale_inf", [](A& a, P&) { a.scale = std::numeric_limits<double>::infinity(); }, op + "scale must be finite, got inf"},
+      {"scale_inf_as_float32", [](A& a, P&) { a.scale = -1e39; }, op + "scale must be finite, got -1e+39 (infinite as float32"},
+      {"eps_inf_as_float32", [](A& a, P&) { a.eps = 1e39; }, op + "eps must be finite and >= 0, got 1e+39 (infinite as float32"},
       {"output_aliases_rows", [](A& a, P&) { a.output.data = a.rows.data; }, op + "output overlaps rows (the output must not alias an input)"},
       {"output_aliases_shared", [](A& a, P&) { a.output.data = a.shared.data; }, op + "output overlaps shared"},
       {"output_aliases_norm_weight", [](A& a, P& p) {

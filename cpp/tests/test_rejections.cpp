@@ -232,9 +232,13 @@ std::vector<Rejection> argument_rejections() {
       // 6. Scalars.
       reject("RmsEpsNaN", R, [](AttnResArgs& a, Case&) { a.rms_eps = kNaN; }, "rms_eps must be finite and >= 0, got nan"),
       reject("RmsEpsInf", A, [](AttnResArgs& a, Case&) { a.rms_eps = kInf; }, "rms_eps must be finite and >= 0, got inf"),
-      reject("RmsEpsNegative", N, [](AttnResArgs& a, Case&) { a.rms_eps = -1e-6; }, "rms_eps must be finite and >= 0, got -0.000001"),
+      reject("RmsEpsNegative", N, [](AttnResArgs& a, Case&) { a.rms_eps = -1e-6; }, "rms_eps must be finite and >= 0, got -1e-06"),
       reject("NormEpsNaN", N, [](AttnResArgs& a, Case&) { a.norm_eps = kNaN; }, "norm_eps must be finite and >= 0, got nan"),
       reject("NormEpsNegative", P, [](AttnResArgs& a, Case&) { a.norm_eps = -1.0; }, "norm_eps must be finite and >= 0, got -1"),
+      reject("RmsEpsInfAsFloat32", A, [](AttnResArgs& a, Case&) { a.rms_eps = 1e39; },
+             "rms_eps must be finite and >= 0, got 1e+39 (infinite as float32"),
+      reject("NormEpsInfAsFloat32", N, [](AttnResArgs& a, Case&) { a.norm_eps = 3.5e38; },
+             "norm_eps must be finite and >= 0, got 3.5e+38 (infinite as float32"),
 
       // 7. The snapshot row.
       reject("SnapshotSlotBelowMinusOne", A, [](AttnResArgs& a, Case&) { a.snapshot_slot = -2; },

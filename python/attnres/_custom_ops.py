@@ -1,7 +1,8 @@
-"""torch.ops.attnres.*: the ops as torch.library custom ops with fake (meta) implementations, so they run
+"""torch.ops.attnres.*: the ops as torch.library ops with fake (meta) implementations, so they run
 eagerly, under CUDA-graph capture and inside torch.compile graphs. Each real implementation allocates its
 outputs with torch.empty and hands everything to the C++ library (validation, plan, launch on the current
-stream)."""
+stream). Each fake implementation runs the same C++ validator on the fake tensors' shapes, dtypes and
+layouts (require_outputs=false), so a malformed call raises the same ArgumentError while tracing."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._tensors import ref, ref_leading_rows, stream_of
+from ._registry import custom_op
+from ._tensors import _hint, c_dtype, fake_refs, ref, ref_leading_rows, stream_of
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
 # The schemas' defaults are the library's (attnres::Options in attn_res.hpp, through attnres.Options).
@@ -50,8 +52,26 @@ def _run(op, options: Options, **tensors) -> None:
     _C.run(op, args, options.to_c())
 
 
+def _fake_check(op, *, rms_eps: float, norm_eps: float = 1e-5, snapshot_slot=-1, block_rows=None,
+                **tensors) -> None:
+    """The real op's validation of a fake call (inputs only; outputs are the fake's own). block_rows: the
+    snapshot op's K, the rows of the bank that are candidates."""
+    refs = fake_refs(_C.op_name(op), tensors)
+    if refs is None:
+        return
+    args = _C.AttnResArgs()
+    for key, r in refs.items():
+        if key == "block_residual" and block_rows is not None and len(r.shape) == 3:
+            r = _C.TensorRef(r.data, c_dtype(tensors[key].dtype), r.device_type, r.device_index,
+                             [block_rows, *r.shape[1:]], r.strides)
+        setattr(args, key, r)
+    args.rms_eps, args.norm_eps = float(rms_eps), float(norm_eps)
+    args.snapshot_slot = snapshot_slot
+    _C.validate(op, args, False)
+
+
 # ---------------------------------------------------------------------------------------------- attn_res
-@torch.library.custom_op("attnres::attn_res", mutates_args=())
+@custom_op("attn_res", mutates_args=())
 def attn_res_op(
     layer_residual: Tensor,
     block_residual: Tensor,
@@ -86,6 +106,8 @@ def attn_res_op(
 
 @attn_res_op.register_fake
 def _(layer_residual, block_residual, res_weight, rms_weight, rms_eps, *options):
+    _fake_check(_OPS.attn_res, layer_residual=layer_residual, block_residual=block_residual, res_weight=res_weight,
+                rms_weight=rms_weight, rms_eps=rms_eps)
     T, H = layer_residual.shape
     N = block_residual.shape[0] + 1
     mixture = layer_residual.new_empty((T, H))
@@ -93,7 +115,7 @@ def _(layer_residual, block_residual, res_weight, rms_weight, rms_eps, *options)
 
 
 # -------------------------------------------------------------------------------------- attn_res_rmsnorm
-@torch.library.custom_op("attnres::attn_res_rmsnorm", mutates_args=())
+@custom_op("attn_res_rmsnorm", mutates_args=())
 def attn_res_rmsnorm_op(
     layer_residual: Tensor,
     block_residual: Tensor,
@@ -130,6 +152,9 @@ def attn_res_rmsnorm_op(
 @attn_res_rmsnorm_op.register_fake
 def _(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps, norm_eps, return_mixture=False,
       *options):
+    _fake_check(_OPS.attn_res_rmsnorm, layer_residual=layer_residual, block_residual=block_residual,
+                res_weight=res_weight, rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps,
+                norm_eps=norm_eps)
     T, H = layer_residual.shape
     return layer_residual.new_empty((T, H)), layer_residual.new_empty((T, H) if return_mixture else (0,))
 
@@ -160,7 +185,7 @@ def _add_rmsnorm(op, layer_residual, layer_residual_add, layer_residual_add2, bl
     return updated, output, mixture
 
 
-@torch.library.custom_op("attnres::attn_res_add_rmsnorm", mutates_args=())
+@custom_op("attn_res_add_rmsnorm", mutates_args=())
 def attn_res_add_rmsnorm_op(
     layer_residual: Tensor,
     layer_residual_add: Optional[Tensor],
@@ -193,6 +218,9 @@ def _add_rmsnorm_fake(layer_residual, return_mixture):
 @attn_res_add_rmsnorm_op.register_fake
 def _(layer_residual, layer_residual_add, layer_residual_add2, block_residual, res_weight, rms_weight, norm_weight,
       rms_eps, norm_eps, return_mixture=False, *options):
+    _fake_check(_OPS.attn_res_add_rmsnorm, layer_residual=layer_residual, layer_residual_add=layer_residual_add,
+                layer_residual_add2=layer_residual_add2, block_residual=block_residual, res_weight=res_weight,
+                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps)
     return _add_rmsnorm_fake(layer_residual, return_mixture)
 
 
@@ -202,14 +230,33 @@ def check_bank_in_storage(bank: Tensor, rows: int, op: str) -> None:
     s = bank.stride()
     last = bank.storage_offset() + (rows - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
     if (last + 1) * bank.element_size() > bank.untyped_storage().nbytes():
-        raise ValueError(f"{op}: snapshot_slot {rows - 1} lies outside block_residual's storage "
+        raise _C.ArgumentError(f"{op}: snapshot_slot {rows - 1} lies outside block_residual's storage "
                          f"(the bank must be allocated with at least {rows} snapshot rows)")
+
+
+def _check_bank_rows(bank: Tensor, num_snapshots, snapshot_slot) -> None:
+    """The snapshot op's own arguments (no C++ argument holds them): the K candidate rows and the snapshot
+    row must be rows of `bank`, so no view built from them reaches past the bank's storage."""
+    op = "attn_res_add_rmsnorm"
+    K, slot = _hint(num_snapshots), _hint(snapshot_slot)
+    if K is not None and K < 0:
+        raise _C.ArgumentError(f"{op}: num_snapshots must be >= 0, got {K}")
+    if bank.dim() != 3:
+        return  # the library rejects block_residual's rank
+    rows = _hint(bank.shape[0])
+    if None in (K, slot, rows):
+        return
+    if K > rows:
+        raise _C.ArgumentError(f"{op}: num_snapshots {K} exceeds the bank's {rows} rows")
+    if slot >= rows:
+        raise _C.ArgumentError(f"{op}: snapshot_slot {slot} lies outside the bank's {rows} rows (the bank must "
+                               f"hold at least {slot + 1} snapshot rows)")
 
 
 # The snapshot-writing variant mutates the bank, so it takes the bank as a whole ([rows, T, H] with rows >
 # snapshot_slot) plus the candidate count K, and declares the mutation: functionalization under
 # torch.compile then sees the write.
-@torch.library.custom_op("attnres::attn_res_add_rmsnorm_snapshot", mutates_args=("bank",))
+@custom_op("attn_res_add_rmsnorm_snapshot", mutates_args=("bank",))
 def attn_res_add_rmsnorm_snapshot_op(
     layer_residual: Tensor,
     layer_residual_add: Optional[Tensor],
@@ -229,8 +276,12 @@ def attn_res_add_rmsnorm_snapshot_op(
     force_kernel: str = "auto",
     cluster: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if bank.dim() == 3 and min(bank.stride()) >= 0 and snapshot_slot >= 0:
+    _check_bank_rows(bank, num_snapshots, snapshot_slot)
+    # A compiled graph can build the bank view past its storage (its as_strided is not bounds-checked).
+    if bank.dim() == 3 and min(bank.stride()) >= 0:
         check_bank_in_storage(bank, max(num_snapshots, snapshot_slot + 1), "attn_res_add_rmsnorm")
+    if not bank.is_inference():  # what custom_op's ADInplaceOrView kernel did: autograd sees the write
+        torch.autograd.graph.increment_version(bank)
     # The candidates are the bank's first K rows, addressed from the bank's own pointer (valid for K = 0).
     block = ref_leading_rows(bank, num_snapshots, "attn_res_add_rmsnorm", "block_residual") \
         if bank.dim() == 3 else bank
@@ -243,11 +294,16 @@ def attn_res_add_rmsnorm_snapshot_op(
 @attn_res_add_rmsnorm_snapshot_op.register_fake
 def _(layer_residual, layer_residual_add, layer_residual_add2, bank, num_snapshots, snapshot_slot, res_weight,
       rms_weight, norm_weight, rms_eps, norm_eps, return_mixture=False, *options):
+    _check_bank_rows(bank, num_snapshots, snapshot_slot)
+    _fake_check(_OPS.attn_res_add_rmsnorm, layer_residual=layer_residual, layer_residual_add=layer_residual_add,
+                layer_residual_add2=layer_residual_add2, block_residual=bank, res_weight=res_weight,
+                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
+                snapshot_slot=_hint(snapshot_slot), block_rows=_hint(num_snapshots))
     return _add_rmsnorm_fake(layer_residual, return_mixture)
 
 
 # ----------------------------------------------------------------------- attn_res_add_rmsnorm_persistent
-@torch.library.custom_op("attnres::attn_res_add_rmsnorm_persistent", mutates_args=())
+@custom_op("attn_res_add_rmsnorm_persistent", mutates_args=())
 def attn_res_add_rmsnorm_persistent_op(
     layer_residual: Tensor,
     layer_residual_add: Optional[Tensor],
@@ -273,5 +329,8 @@ def attn_res_add_rmsnorm_persistent_op(
 @attn_res_add_rmsnorm_persistent_op.register_fake
 def _(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight, norm_weight, rms_eps, norm_eps,
       *options):
+    _fake_check(_OPS.attn_res_add_rmsnorm_persistent, layer_residual=layer_residual,
+                layer_residual_add=layer_residual_add, block_residual=block_residual, res_weight=res_weight,
+                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps)
     T, H = layer_residual.shape
     return layer_residual.new_empty((T, H) if layer_residual_add is not None else (0,)), layer_residual.new_empty((T, H))

@@ -43,7 +43,11 @@ class IntKnob:
         text = raw.strip()
         if not _INT.fullmatch(text):
             raise KnobError(f"{self.name}: expected a base-10 integer in [{self.lo}, {self.hi}], got {raw!r}")
-        value = int(text, 10)
+        try:
+            value = int(text, 10)
+        except ValueError:  # more digits than Python converts (sys.get_int_max_str_digits)
+            raise KnobError(f"{self.name}: expected a base-10 integer in [{self.lo}, {self.hi}], got a "
+                            f"{len(text)}-digit value") from None
         if value < self.lo or value > self.hi:
             clamped = min(max(value, self.lo), self.hi)
             log.warning("%s=%d is outside [%d, %d]; clamped to %d", self.name, value, self.lo, self.hi, clamped)

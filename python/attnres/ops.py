@@ -14,6 +14,7 @@ import operator
 import torch
 from torch import Tensor
 
+from . import _C as attnres_C
 from . import _custom_ops  # noqa: F401  (registers torch.ops.attnres.*)
 from ._tensors import as_tensor
 from .options import DEFAULT, Options
@@ -92,7 +93,7 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
     else:
         slot = operator.index(snapshot_slot)
         if slot < 0:
-            raise ValueError(f"{op}: snapshot_slot must be None or a row index >= K, got {slot}")
+            raise attnres_C.ArgumentError(f"{op}: snapshot_slot must be None or a row index >= K, got {slot}")
         bank = _bank_through_slot(block, slot, op)
         K = block.shape[0] if block.dim() == 3 else 0
         updated, output, mixture = _ops.attn_res_add_rmsnorm_snapshot(

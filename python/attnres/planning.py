@@ -37,21 +37,47 @@ class PlanInfo:
         return self.decline is None
 
 
+_DESCRIBED = ("h100", "h200")
+_PROPERTIES = ("cc_major", "cc_minor", "sm_count", "shared_memory_per_block_optin")
+
+
+def _described(props) -> _C.DeviceInfo:
+    """A DeviceInfo from explicit properties: a dict or an object with cc_major, cc_minor, sm_count and
+    shared_memory_per_block_optin (name optional), taken as cuda:0 of a build with the CUDA backend."""
+    get = props.get if isinstance(props, dict) else (lambda key, default=None: getattr(props, key, default))
+    d = _C.DeviceInfo()
+    d.device_type, d.device_index, d.cuda_backend = _C.DeviceType.cuda, 0, True
+    for key in _PROPERTIES:
+        value = get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _C.ArgumentError(f"attnres.plan: the described device's {key} must be an int, got {value!r}")
+        setattr(d, key, value)
+    d.name = str(get("name", "described device"))
+    return d
+
+
 def device_info(device) -> _C.DeviceInfo:
-    """The library's DeviceInfo for a torch device (raises ArgumentError for a CUDA index that does not exist)."""
+    """The library's DeviceInfo for a torch device (raises ArgumentError for a CUDA index that does not
+    exist), or for a described GPU without it: "h100", "h200", or explicit properties (see _described)."""
+    if isinstance(device, str) and device in _DESCRIBED:
+        return _C.described_device(device)
+    if isinstance(device, (dict, _C.DeviceInfo)) or hasattr(device, "sm_count"):
+        return _described(device)
     device = torch.device(device)
     if device.type == "cpu":
         return _C.query_device(_C.DeviceType.cpu, 0)
     if device.type == "cuda":
         index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
         return _C.query_device(_C.DeviceType.cuda, index)
-    raise ValueError(f"attnres.plan: device {device} is not supported (cpu or cuda)")
+    raise ValueError(f"attnres.plan: device {device} is not supported (cpu, cuda, h100, h200 or a property dict)")
 
 
 def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", add: bool = False,
          add2: bool = False, tap: bool = False, snapshot: bool = False, diagnostics: bool = False,
          options: Options | None = None) -> PlanInfo:
-    """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device`."""
+    """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device`: a torch device, or a
+    described GPU ("h100", "h200", or a dict of cc_major, cc_minor, sm_count, shared_memory_per_block_optin),
+    for which it is the plan a CUDA build takes on that GPU, answered without one."""
     if op not in OPS:
         raise ValueError(f"attnres.plan: op must be one of {OPS}, got {op!r}")
     q = _C.PlanQuery()

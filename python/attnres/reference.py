@@ -94,3 +94,23 @@ def check_close(actual: Tensor, expected: Tensor, what: str = "output") -> None:
         _, rel = metrics(actual, expected)
         if not rel < DIAG_REL_MAX:
             raise AssertionError(f"{what}: relative L2 error {rel:.2e} (need < {DIAG_REL_MAX})")
+
+
+def reference_moe_finalize(rows: Tensor, weights: Tensor, index: Tensor, *, shared: Tensor | None = None,
+                           norm_weight: Tensor | None = None, eps: float, scale: float = 1.0) -> Tensor:
+    """float64 evaluation of the contract on the CPU, its rounding boundaries emulated: routed rounded to
+    bf16 once, the shared add rounded once, the norm's two roundings. NaN rows for out-of-range routes."""
+    rows64 = rows.detach().cpu().double()
+    idx = index.detach().cpu().long()
+    T, k = idx.shape
+    R, D = rows64.shape
+    local = (idx >= 0) & (idx < R)
+    broken = ((idx < -1) | (idx >= R)).any(dim=1, keepdim=True)
+    gathered = rows64[torch.where(local, idx, 0)] if R > 0 else torch.zeros((T, k, D), dtype=torch.float64)
+    terms = torch.where(local.unsqueeze(-1), gathered * weights.detach().cpu().double().unsqueeze(-1), 0.0)
+    x = (terms.sum(dim=1) * scale).to(torch.bfloat16)
+    if shared is not None:
+        x = (x.double() + shared.detach().cpu().double()).to(torch.bfloat16)
+    if norm_weight is not None:
+        x = two_rounding_rmsnorm(x, norm_weight.detach().cpu(), eps)
+    return torch.where(broken, torch.full_like(x, float("nan")), x)

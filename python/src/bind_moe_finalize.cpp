@@ -49,7 +49,8 @@ void bind_moe_finalize(nb::module_& m) {
       .def_ro("pdl", &MoeFinalizePlan::pdl)
       .def_prop_ro("accepted", &MoeFinalizePlan::accepted);
 
-  m.def("moe_finalize_validate", &validate_moe_finalize, nb::arg("args"), nb::arg("require_output") = true);
+  m.def("moe_finalize_validate", &validate_moe_finalize, nb::arg("args"), nb::arg("require_output") = true,
+        nb::arg("read_data") = true);
   m.def("moe_finalize_plan_query",
         [](const MoeFinalizeQuery& q, const DeviceInfo& d, const MoeFinalizeOptions& o) { return plan_moe_finalize(q, d, o); });
   m.def("moe_finalize_plan_call",

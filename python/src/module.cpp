@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "attnres/attnres.hpp"
@@ -62,7 +63,16 @@ NB_MODULE(_C, m) {
       .value("f64", DType::f64)
       .value("i64", DType::i64)
       .value("u8", DType::u8)
-      .value("other", DType::other);
+      .value("other", DType::other)
+      .value("boolean", DType::boolean)
+      .value("i8", DType::i8)
+      .value("i16", DType::i16)
+      .value("u16", DType::u16)
+      .value("u32", DType::u32)
+      .value("u64", DType::u64)
+      .value("c32", DType::c32)
+      .value("c64", DType::c64)
+      .value("c128", DType::c128);
   nb::enum_<DeviceType>(m, "DeviceType").value("cpu", DeviceType::cpu).value("cuda", DeviceType::cuda);
   nb::enum_<AttnResOp>(m, "AttnResOp")
       .value("attn_res", AttnResOp::attn_res)
@@ -153,19 +163,41 @@ NB_MODULE(_C, m) {
       .def_ro("smem_bytes", &Plan::smem_bytes)
       .def_prop_ro("accepted", &Plan::accepted);
 
+  // Writable: attnres.plan() answers for a described GPU (explicit properties) without the GPU.
   nb::class_<DeviceInfo>(m, "DeviceInfo")
-      .def_prop_ro("device_type", [](const DeviceInfo& d) { return d.device.type; })
-      .def_prop_ro("device_index", [](const DeviceInfo& d) { return d.device.index; })
-      .def_ro("cuda_backend", &DeviceInfo::cuda_backend)
-      .def_ro("cc_major", &DeviceInfo::cc_major)
-      .def_ro("cc_minor", &DeviceInfo::cc_minor)
-      .def_ro("sm_count", &DeviceInfo::sm_count)
-      .def_ro("shared_memory_per_block_optin", &DeviceInfo::shared_memory_per_block_optin)
-      .def_ro("name", &DeviceInfo::name);
+      .def(nb::init<>())
+      .def_prop_rw("device_type", [](const DeviceInfo& d) { return d.device.type; },
+                   [](DeviceInfo& d, DeviceType t) { d.device.type = t; })
+      .def_prop_rw("device_index", [](const DeviceInfo& d) { return d.device.index; },
+                   [](DeviceInfo& d, int32_t i) { d.device.index = i; })
+      .def_rw("cuda_backend", &DeviceInfo::cuda_backend)
+      .def_rw("cc_major", &DeviceInfo::cc_major)
+      .def_rw("cc_minor", &DeviceInfo::cc_minor)
+      .def_rw("sm_count", &DeviceInfo::sm_count)
+      .def_rw("shared_memory_per_block_optin", &DeviceInfo::shared_memory_per_block_optin)
+      .def_rw("name", &DeviceInfo::name);
+
+  // The limits of attnres/limits.hpp, for the Python layer (which never restates them).
+  nb::dict limits;
+  limits["max_rank"] = kMaxRank;
+  limits["max_candidates"] = kMaxCandidates;
+  limits["max_hidden"] = kMaxHidden;
+  limits["hidden_multiple"] = kHiddenMultiple;
+  limits["candidate_buckets"] = std::vector<int32_t>(std::begin(kCandidateBuckets), std::end(kCandidateBuckets));
+  limits["single_cta_max_threads"] = kSingleCtaMaxThreads;
+  limits["single_cta_max_candidates"] = kSingleCtaMaxCandidates;
+  limits["split_k_max_threads"] = kSplitKMaxThreads;
+  limits["max_cluster"] = kMaxCluster;
+  limits["moe_finalize_max_routes"] = kMoeFinalizeMaxRoutes;
+  limits["moe_finalize_max_tokens"] = kMoeFinalizeMaxTokens;
+  limits["moe_finalize_max_hidden"] = kMoeFinalizeMaxHidden;
+  limits["moe_finalize_hidden_multiple"] = kMoeFinalizeHiddenMultiple;
+  m.attr("limits") = limits;
 
   m.def("cuda_backend_built", &cuda_backend_built);
   m.def("cuda_device_count", &cuda_device_count);
   m.def("query_device", [](DeviceType type, int32_t index) { return query_device(Device{type, index}); });
+  m.def("described_device", &described_device, nb::arg("name"));
   m.def("op_name", [](AttnResOp op) { return std::string(op_name(op)); });
   m.def("kernel_name", [](KernelKind k) { return std::string(kernel_name(k)); });
   m.def("validate", &validate, nb::arg("op"), nb::arg("args"), nb::arg("require_outputs") = true);

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "attnres/device.hpp"
+#include "attnres/limits.hpp"
 #include "attnres/tensor.hpp"
 
 namespace attnres {
@@ -122,10 +123,5 @@ inline void attn_res_add_rmsnorm(const AttnResArgs& a, const Options& o = {}) {
 inline void attn_res_add_rmsnorm_persistent(const AttnResArgs& a, const Options& o = {}) {
   run(AttnResOp::attn_res_add_rmsnorm_persistent, a, o);
 }
-
-// Supported range (ops.md): beyond it every call is rejected, never computed.
-constexpr int64_t kMaxCandidates = 16;
-constexpr int64_t kMaxHidden = 16384;
-constexpr int64_t kHiddenMultiple = 8;
 
 }  // namespace attnres

@@ -27,4 +27,10 @@ int cuda_device_count();
 // cuda_backend = false and the plan declines; an index out of range throws ArgumentError.
 DeviceInfo query_device(Device device);
 
+// The properties of a GPU the plan depends on, without the GPU: "h100" (SXM, 132 SMs) or "h200" (132 SMs),
+// both compute capability 9.0 with 227 KB of opt-in shared memory per block, as cuda:0 of a build with the
+// CUDA backend. plan(query, described_device("h200"), options) is the plan a CUDA build takes on that GPU.
+// Throws ArgumentError for any other name.
+DeviceInfo described_device(const std::string& name);
+
 }  // namespace attnres

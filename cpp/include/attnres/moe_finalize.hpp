@@ -17,6 +17,7 @@
 
 #include "attnres/attn_res.hpp"  // KernelKind (the finalize reuses its names: cpu, single_cta)
 #include "attnres/device.hpp"
+#include "attnres/limits.hpp"
 #include "attnres/tensor.hpp"
 
 namespace attnres {
@@ -69,7 +70,9 @@ struct MoeFinalizePlan {
 // includes a scan of `index` (every value -1 or in [0, R)); for CUDA tensors the scan would need a device
 // round trip, so the kernel checks instead and writes NaN rows for a token with an out-of-range route
 // (docs/ops/moe_finalize.md, "Out-of-range routes"). With require_output=false an absent output is allowed.
-void validate_moe_finalize(const MoeFinalizeArgs& args, bool require_output = true);
+// read_data=false skips the one value check (the CPU index scan): for checks on shapes alone, where the
+// tensors hold no readable data (torch.compile's fake tensors).
+void validate_moe_finalize(const MoeFinalizeArgs& args, bool require_output = true, bool read_data = true);
 MoeFinalizeQuery moe_finalize_query(const MoeFinalizeArgs& args);
 
 // Pure: the backend (and its geometry) for a call, or why it is declined.
@@ -81,11 +84,5 @@ MoeFinalizePlan plan_moe_finalize(const MoeFinalizeArgs& args, const MoeFinalize
 // Validate, plan, launch on args.stream (CUDA: no allocation, no synchronisation) or compute (CPU). Throws
 // ArgumentError / UnsupportedError before anything is written, CudaError if the launch fails.
 void moe_finalize(const MoeFinalizeArgs& args, const MoeFinalizeOptions& options = {});
-
-// Supported range: outside it every call is rejected (validate) and every query declined (plan).
-constexpr int64_t kMoeFinalizeMaxRoutes = 32;     // k
-constexpr int64_t kMoeFinalizeMaxTokens = 16384;  // T
-constexpr int64_t kMoeFinalizeMaxHidden = 16384;  // D
-constexpr int64_t kMoeFinalizeHiddenMultiple = 8;
 
 }  // namespace attnres

@@ -9,11 +9,17 @@
 #include <initializer_list>
 #include <string>
 
+#include "attnres/limits.hpp"
+
 namespace attnres {
 
 // The ops take bf16 and fp32 (diagnostics) tensors; the other codes exist so that a wrong dtype is named in
-// the error message instead of being misread.
-enum class DType : int32_t { bf16 = 0, f32 = 1, i32 = 2, f16 = 3, f64 = 4, i64 = 5, u8 = 6, other = 7 };
+// the error message instead of being misread. `other` is for a dtype the caller's framework has and this
+// list does not (its message says so).
+enum class DType : int32_t {
+  bf16 = 0, f32 = 1, i32 = 2, f16 = 3, f64 = 4, i64 = 5, u8 = 6, other = 7,
+  boolean = 8, i8 = 9, i16 = 10, u16 = 11, u32 = 12, u64 = 13, c32 = 14, c64 = 15, c128 = 16,
+};
 enum class DeviceType : int32_t { cpu = 0, cuda = 1 };
 
 const char* dtype_name(DType dtype);
@@ -26,8 +32,8 @@ struct Device {
 inline bool operator==(Device a, Device b) { return a.type == b.type && a.index == b.index; }
 inline bool operator!=(Device a, Device b) { return !(a == b); }
 std::string device_name(Device device);
-
-constexpr int kMaxRank = 4;
+// The shortest text that reads back as exactly v ("-1e-07", "1e+39", "inf"): error messages print doubles.
+std::string number_string(double v);
 
 struct TensorRef {
   void* data = nullptr;

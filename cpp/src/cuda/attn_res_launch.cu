@@ -21,12 +21,15 @@ KernelFn by_bucket(int max_candidates) {
   // The buckets of plan_tuning.hpp. single_cta is planned for N <= 4 only (a 1024-thread block has 64
   // registers per thread; the N <= 8 instance spilled 160 bytes); the CLUSTER = false instances of the larger
   // buckets serve split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
+  // One case per entry of kCandidateBuckets (attnres/limits.hpp): a bucket added there without an instance
+  // here fails the static_assert.
+  static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
   switch (max_candidates) {
-    case 2: return attn_res_per_token_kernel<2, M, CLUSTER>;
-    case 4: return attn_res_per_token_kernel<4, M, CLUSTER>;
-    case 9: return attn_res_per_token_kernel<9, M, CLUSTER>;
-    case 12: return attn_res_per_token_kernel<12, M, CLUSTER>;
-    case 16: return attn_res_per_token_kernel<16, M, CLUSTER>;
+    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER>;
+    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER>;
+    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER>;
+    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER>;
+    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER>;
     default: return nullptr;
   }
 }

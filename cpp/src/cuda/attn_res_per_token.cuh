@@ -38,15 +38,17 @@
 
 #include <cstdint>
 
+#include "attnres/limits.hpp"
 #include "cuda/attn_res_params.cuh"
 #include "cuda/device_utils.cuh"
 #include "plan_tuning.hpp"
 
 namespace attnres::detail {
 
-constexpr int kMaxClusterRanks = 8;  // the portable cluster limit (plan_tuning.hpp kMaxCluster)
-constexpr int kSingleCtaMaxThreads = 1024;
-constexpr int kSplitKMaxThreads = 256;
+// The plan's limits (attnres/limits.hpp) size the kernel's shared arrays and launch bounds.
+constexpr int kMaxClusterRanks = attnres::kMaxCluster;
+constexpr int kSingleCtaMaxThreads = static_cast<int>(attnres::kSingleCtaMaxThreads);
+constexpr int kSplitKMaxThreads = static_cast<int>(attnres::kSplitKMaxThreads);
 // A one-block launch gives each of split_k's rank chunks (<= 128 vectors: plan_tuning.hpp) this many threads.
 constexpr int kChunkThreads = static_cast<int>(tuning::kSplitKBlockVectors);
 constexpr int kChunkWarps = kChunkThreads / 32;

@@ -1,0 +1,104 @@
+"""The support gate of the fused MoE finalize (cheap: no tensor is touched) and the record of which path
+attnres.moe.finalize_moe_output took (recorded per thread, logged once per distinct decision)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from . import _C, knobs
+from ._tensors import c_dtype
+from .planning import device_info
+
+log = logging.getLogger("attnres.moe")
+
+
+def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
+                                dtypes: tuple[torch.dtype, torch.dtype] = (torch.bfloat16, torch.float32),
+                                device="cpu", world_size: int = 1, *,
+                                max_tokens: int | None = None) -> tuple[bool, str]:
+    """(True, "") when the fused moe_finalize takes a call of T = tokens, k routes, D = hidden, with
+    dtypes = (rows dtype, weights dtype) on `device` in a group of `world_size` ranks; else (False, why).
+
+    Cheap (no tensor is touched). The token gate is ATTNRES_MOE_FINALIZE_MAX_TOKENS (read once at import,
+    attnres.knobs; 0 disables the fused path); `max_tokens` overrides it for one query. Arguments that no
+    path can compute (tokens, k or hidden < 1, world_size < 1) raise ValueError."""
+    for name, v in (("tokens", tokens), ("k", k), ("hidden", hidden), ("world_size", world_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"supports_fused_moe_finalize: {name} must be an int >= 1, got {v!r}")
+    gate = knobs.CURRENT.moe_finalize_max_tokens if max_tokens is None else max_tokens
+    if gate == 0:
+        return False, "the fused finalize is disabled (ATTNRES_MOE_FINALIZE_MAX_TOKENS = 0)"
+    if tokens > gate:
+        return False, f"T = {tokens} is above the token gate (ATTNRES_MOE_FINALIZE_MAX_TOKENS = {gate})"
+    if world_size != 1:
+        return False, (f"world_size = {world_size}: the fused kernel has no all-reduce (the partial sums must be "
+                       "all-reduced between the combine and the norm)")
+    q = _C.MoeFinalizeQuery()
+    q.tokens, q.routes, q.hidden = tokens, k, hidden
+    q.rows_dtype = c_dtype(dtypes[0])
+    q.weights_dtype = c_dtype(dtypes[1])
+    try:
+        info = device_info(device)
+    except _C.ArgumentError as e:  # a support predicate answers, it does not raise, for a missing device
+        return False, str(e)
+    plan = _C.moe_finalize_plan_query(q, info, _C.MoeFinalizeOptions())
+    if not plan.accepted:
+        return False, plan.decline
+    return True, ""
+
+
+# ----------------------------------------------------------------------------------- decisions, observable
+@dataclass(frozen=True)
+class FinalizeDecision:
+    path: str  # "fused"; "fused_combine" (world_size > 1: the kernel combines, the norm follows the all-reduce); "unfused"
+    reason: str  # why the unfused (or fused_combine) path was taken; "" when fused
+    tokens: int
+    routes: int
+    hidden: int
+    device: str
+    world_size: int
+
+
+_state = threading.local()
+_logged: set = set()
+_logged_lock = threading.Lock()
+_last: list[FinalizeDecision | None] = [None]
+
+
+def last_finalize_decision() -> FinalizeDecision | None:
+    """The decision of the latest finalize_moe_output call (any thread)."""
+    return _last[0]
+
+
+@contextlib.contextmanager
+def record_finalize_decisions() -> Iterator[list[FinalizeDecision]]:
+    """Collects every finalize_moe_output decision taken by this thread inside the block."""
+    stack = getattr(_state, "recorders", None)
+    if stack is None:
+        stack = _state.recorders = []
+    record: list[FinalizeDecision] = []
+    stack.append(record)
+    try:
+        yield record
+    finally:
+        stack.remove(record)
+
+
+def _note(decision: FinalizeDecision) -> None:
+    _last[0] = decision
+    for record in getattr(_state, "recorders", None) or ():
+        record.append(decision)
+    key = (decision.path, decision.reason, decision.tokens, decision.routes, decision.hidden, decision.device)
+    with _logged_lock:
+        first = key not in _logged
+        _logged.add(key)
+    if first:
+        log.debug("moe_finalize: %s path (T=%d k=%d D=%d on %s, world_size=%d)%s", decision.path, decision.tokens,
+                  decision.routes, decision.hidden, decision.device, decision.world_size,
+                  f": {decision.reason}" if decision.reason else "")
