@@ -28,6 +28,8 @@ EXPECTED = {  # name -> (default, kind-specific domain): pins the table of docs/
     "KIMI_K3_ATTN_RES_TOPOLOGY": ("per_token", ("per_token", "persistent", "split")),
     "KIMI_K3_AUX_ATTN_RES_STREAM": (True, None),
     "ATTNRES_MOE_FINALIZE_MAX_TOKENS": (16, (0, 16)),
+    "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS": (16, (0, 16)),
+    "ATTNRES_FUSED_ALL_REDUCE": (True, None),
 }
 
 

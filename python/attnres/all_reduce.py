@@ -18,13 +18,15 @@ advances) and its buffer addresses; the buffers themselves are written through t
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
 from torch import Tensor
 
-from . import _C
+from . import _C, knobs
 from ._tensors import ref, ref_leading_rows, stream_of
 from ._custom_ops import check_bank_in_storage
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
@@ -280,3 +282,69 @@ def moe_finalize_all_reduce(comm, rows: Tensor, weights: Tensor, index: Tensor, 
     return torch.ops.attnres.moe_finalize_all_reduce(rows, weights, index, norm_weight, gathered, comm.state,
                                                      comm.buffer_addresses, *comm.op_args(), float(eps), float(scale),
                                                      bool(pdl), kernel)
+
+
+# ------------------------------------------------------------------------------------------- the gates
+MOE_WORLD_SIZES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class AllReduceDecision:
+    """What a TP site ran: path "fused" (the one-shot ops) or "fallback" (torch.distributed + the plain op),
+    and why it fell back ("" when fused)."""
+
+    site: str  # "attention" | "shared" | "moe_finalize"
+    path: str
+    reason: str
+    tokens: int
+    world_size: int
+    device: str
+
+
+_decisions: list[list[AllReduceDecision]] = []
+
+
+def note_decision(decision: AllReduceDecision) -> None:
+    for sink in _decisions:
+        sink.append(decision)
+
+
+@contextlib.contextmanager
+def record_all_reduce_decisions():
+    """Collects every AllReduceDecision made inside the block (the TP chain's sites)."""
+    sink: list[AllReduceDecision] = []
+    _decisions.append(sink)
+    try:
+        yield sink
+    finally:
+        _decisions.remove(sink)
+
+
+def supports_moe_finalize_all_reduce(tokens: int, k: int, hidden: int, world_size: int,
+                                     dtypes: tuple[torch.dtype, torch.dtype] = (torch.bfloat16, torch.float32),
+                                     device="cpu", *, max_tokens: int | None = None) -> tuple[bool, str]:
+    """(True, "") when moe_finalize_all_reduce takes T = tokens, k routes, D = hidden over world_size ranks with
+    dtypes (rows, weights) on `device`; else (False, why). The token gate is
+    ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS (attnres.knobs); `max_tokens` overrides it for one query."""
+    for name, v in (("tokens", tokens), ("k", k), ("hidden", hidden), ("world_size", world_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"supports_moe_finalize_all_reduce: {name} must be an int >= 1, got {v!r}")
+    gate = knobs.CURRENT.moe_finalize_allreduce_max_tokens if max_tokens is None else max_tokens
+    if gate == 0:
+        return False, "the fused finalize + all-reduce is disabled (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS=0)"
+    if tokens > gate:
+        return False, f"T = {tokens} is above the token gate {gate} (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS)"
+    if world_size not in MOE_WORLD_SIZES:
+        return False, f"world size {world_size} has no fused kernel (2, 4 or 8)"
+    if dtypes[0] != torch.bfloat16:
+        return False, f"rows are {dtypes[0]} (the kernel reads bfloat16)"
+    if dtypes[1] not in (torch.float32, torch.bfloat16):
+        return False, f"weights are {dtypes[1]} (the kernel reads float32 or bfloat16)"
+    if not 1 <= k <= 32:
+        return False, f"k = {k} is outside [1, 32]"
+    if hidden % 8 != 0 or hidden > 16384:
+        return False, f"D = {hidden} is not a multiple of 8 in [8, 16384]"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not _C.cuda_backend_built():
+        return False, "attnres was built without the CUDA backend"
+    return True, ""
