@@ -12,6 +12,7 @@ path), and the pieces in one process: Shards, the stand-ins, the launcher's envi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import subprocess
 import sys
@@ -33,9 +34,10 @@ pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 TWO_GPUS, NO_TWO_GPUS = cuda_ranks_available(2)
 BACKENDS = ["gloo-cpu", pytest.param("nccl-cuda", marks=[pytest.mark.gpu,
                                                          pytest.mark.skipif(not TWO_GPUS, reason=NO_TWO_GPUS)])]
-# Checks per T at W = 2: per step 2 rank agreement, 2 all-reduce audits, 2 TP-vs-TP1 chains, 1 fold; 2 watched
+# Checks per T at W = 2: per step 2 rank agreement, 2 all-reduce audits, 2 one-shot rank agreements, 2 one-shot
+# chains against the torch.distributed chain, 2 TP-vs-TP1 chains, 1 fold; 2 watched
 # MoE layers; 5 finalize. W > 2 has no bitwise TP-vs-TP1 chain or finalize check.
-EXPECTED_PER_T = {"chain": lambda steps, w=2: (7 if w == 2 else 5) * steps + 2,
+EXPECTED_PER_T = {"chain": lambda steps, w=2: (11 if w == 2 else 9) * steps + 2,
                   "finalize": lambda w=2: 5 if w == 2 else 4}
 
 
@@ -83,6 +85,12 @@ def test_two_ranks(backend, tmp_path):
     _assert_all_pass(_select(checks, "TP=2 == TP=1 on the summed partials (bitwise)"), 8)
     _assert_all_pass(_select(checks, "every all-reduce within"), 8)
     assert all(c.detail.endswith("all-reduces") for c in _select(checks, "every all-reduce within"))
+    # The one-shot fused ops in the chain: same bits on every rank, == the torch.distributed chain bitwise.
+    _assert_all_pass(_select(checks, "one-shot ops: every rank holds the same bits"), 8)
+    fused = _select(checks, "one-shot fused ops == the torch.distributed path (bitwise)")
+    _assert_all_pass(fused, 8)
+    assert all("attention:fused" in c.detail and "moe_finalize:fused" in c.detail for c in fused)
+    assert all("shared:fused" in c.detail for c in fused if "fold on" in c.name)
     # Fold on == fold off under TP, with the fold taken (the comparison is not vacuous).
     _assert_all_pass(_select(checks, "fold on == fold off under TP=2"), 4)
     assert all("fold taken at" in c.detail for c in _select(checks, "fold on == fold off under TP=2"))
@@ -126,6 +134,7 @@ def test_three_ranks():
     _assert_all_pass(checks, EXPECTED_PER_T["chain"](1, 3) + EXPECTED_PER_T["finalize"](3))
     assert "3 ranks" in _select(checks, "ranks bit-identical")[0].detail
     assert _select(checks, "3 ranks' partials") and not _select(checks, "bitwise", "summed")
+    _assert_all_pass(_select(checks, "one-shot fused ops decline (world size)"), 2)
 
 
 # ------------------------------------------------------------------------------------------ the command line
@@ -342,3 +351,51 @@ def test_bench_tp_needs_two_ranks():
     with pytest.raises(SystemExit) as e:
         bench_main(["tp", "--device", "cpu", "--nproc", "1"])
     assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------------------------ the one-shot gate
+def test_fused_all_reduce_gate_reasons_and_knob(monkeypatch):
+    """Which communicator a TP site gets, and why not: the knob, the world size, T, width, dtype, device, a
+    closed communicator; the knob's default is ATTNRES_FUSED_ALL_REDUCE."""
+    from attnres import knobs
+    from attnres.all_reduce import record_all_reduce_decisions
+    from attnres.models.kimi_k3.residual import PendingPartial
+    from attnres.models.kimi_k3.tp import FusedAllReduce
+    from attnres.tp import InProcessWorld
+
+    world = InProcessWorld(2, 4, 16)
+    comm = world.comms[0]
+    fused = FusedAllReduce(hidden=comm, enabled=True)
+    t = torch.zeros(2, 16, dtype=torch.bfloat16)
+    assert fused.communicator(t, 2) == (comm, "")
+    assert "ATTNRES_FUSED_ALL_REDUCE=0" in FusedAllReduce(hidden=comm, enabled=False).communicator(t, 2)[1]
+    assert "latent" in fused.communicator(t, 2, latent=True)[1]
+    assert "world size 3" in fused.communicator(t, 3)[1]
+    assert "capacity 4" in fused.communicator(torch.zeros(5, 16, dtype=torch.bfloat16), 2)[1]
+    assert "width 16" in fused.communicator(torch.zeros(2, 24, dtype=torch.bfloat16), 2)[1]
+    assert "float32" in fused.communicator(t.float(), 2)[1]
+    for on in (True, False):
+        monkeypatch.setattr(knobs, "CURRENT", replace(knobs.CURRENT, fused_all_reduce=on))
+        assert FusedAllReduce(hidden=comm).enabled is on
+
+    # Knob off: the chain's reductions take the torch.distributed hook, each recorded with the reason.
+    calls = []
+
+    def hook(x):
+        calls.append(x)
+        return x + x
+
+    shards = Shards.of_rank(0, 2, hook, FusedAllReduce(hidden=comm, enabled=False))
+    with record_all_reduce_decisions() as seen:
+        out = shards.defer([t + 1], "attention")
+    assert torch.equal(out, (t + 1) * 2) and len(calls) == 1
+    assert [(d.site, d.path, d.reason) for d in seen] == [("attention", "fallback", "ATTNRES_FUSED_ALL_REDUCE=0")]
+    # Knob on: the partial is left for its consumer; reducing it instead goes through the one-shot all-reduce.
+    shards = Shards.of_rank(0, 2, hook, FusedAllReduce(hidden=comm, enabled=True))
+    pending = shards.defer([t + 1], "attention")
+    assert isinstance(pending, PendingPartial) and pending.comm is comm and torch.equal(pending.partial, t + 1)
+    with record_all_reduce_decisions() as seen:
+        pending.fused()
+    assert [(d.site, d.path, d.tokens, d.world_size) for d in seen] == [("attention", "fused", 2, 2)]
+    world.close()
+    assert "closed" in fused.communicator(t, 2)[1]

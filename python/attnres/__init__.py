@@ -10,6 +10,7 @@ from ._C import ArgumentError, CudaError, UnsupportedError
 from ._C import Error as AttnResError
 from .ops import attn_res, attn_res_add_rmsnorm, attn_res_add_rmsnorm_persistent, attn_res_rmsnorm
 from .moe import moe_finalize, supports_fused_moe_finalize
+from .all_reduce import all_reduce, all_reduce_attn_res_add_rmsnorm, moe_finalize_all_reduce
 from .options import Options
 from .planning import PlanInfo, backend_info, plan
 
@@ -22,12 +23,15 @@ __all__ = [
     "Options",
     "PlanInfo",
     "UnsupportedError",
+    "all_reduce",
+    "all_reduce_attn_res_add_rmsnorm",
     "attn_res",
     "attn_res_add_rmsnorm",
     "attn_res_add_rmsnorm_persistent",
     "attn_res_rmsnorm",
     "backend_info",
     "moe_finalize",
+    "moe_finalize_all_reduce",
     "plan",
     "supports_fused_moe_finalize",
 ]

@@ -100,6 +100,12 @@ KNOBS = (
     # (k = 16, D = 3584), so no token count inside the range prefers the unfused path (the seed's 2 was
     # measured on another GPU with an all-reduce inside the fused kernel).
     IntKnob("ATTNRES_MOE_FINALIZE_MAX_TOKENS", 16, 0, 16, "token gate of the fused MoE finalize; 0 disables it"),
+    # Provisional 16 (the fused finalize's own ceiling), not yet measured: the one-shot exchange pushes T rows to
+    # every peer, so its cost grows with T; the same-moment A/B against finalize + NCCL + norm sets it.
+    IntKnob("ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS", 16, 0, 16,
+            "token gate of the fused MoE finalize + all-reduce + latent norm under TP; 0 disables it"),
+    BoolKnob("ATTNRES_FUSED_ALL_REDUCE", True,
+             "1: the TP chain joins its partials with the one-shot all-reduce ops where supported; 0: NCCL + the plain ops"),
 )
 
 
@@ -111,6 +117,8 @@ class Knobs:
     attn_res_topology: str
     aux_attn_res_stream: bool
     moe_finalize_max_tokens: int
+    moe_finalize_allreduce_max_tokens: int
+    fused_all_reduce: bool
 
 
 _FIELDS = {
@@ -120,6 +128,8 @@ _FIELDS = {
     "KIMI_K3_ATTN_RES_TOPOLOGY": "attn_res_topology",
     "KIMI_K3_AUX_ATTN_RES_STREAM": "aux_attn_res_stream",
     "ATTNRES_MOE_FINALIZE_MAX_TOKENS": "moe_finalize_max_tokens",
+    "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS": "moe_finalize_allreduce_max_tokens",
+    "ATTNRES_FUSED_ALL_REDUCE": "fused_all_reduce",
 }
 
 

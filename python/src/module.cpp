@@ -39,6 +39,7 @@ std::vector<int64_t> dims(const int64_t* v, int n) { return std::vector<int64_t>
 }  // namespace
 
 void bind_moe_finalize(nanobind::module_&);
+void bind_all_reduce(nanobind::module_&);
 
 NB_MODULE(_C, m) {
   m.doc() = "attnres C++ library bindings (internal: use the attnres package)";
@@ -206,4 +207,5 @@ NB_MODULE(_C, m) {
   // The GIL is released: the CPU backend computes, the CUDA backend only enqueues.
   m.def("run", &run, nb::arg("op"), nb::arg("args"), nb::arg("options"), nb::call_guard<nb::gil_scoped_release>());
   bind_moe_finalize(m);
+  bind_all_reduce(m);
 }

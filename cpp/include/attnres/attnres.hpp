@@ -1,6 +1,7 @@
 // Umbrella header of the attnres C++ library.
 #pragma once
 
+#include "attnres/all_reduce.hpp"
 #include "attnres/attn_res.hpp"
 #include "attnres/device.hpp"
 #include "attnres/error.hpp"

@@ -8,6 +8,9 @@
    only sound comparison once the summation order is the library's (W > 2), since a top-k router turns a
    one-ulp difference into another expert;
 3. fold on == fold off under TP, bitwise, with the fold actually taken;
+3a. the one-shot ops (attnres.all_reduce*, docs/ops/all_reduce.md) in the chain: every rank the same bits; at
+   W = 2 the chain with them == the torch.distributed chain bitwise, with the attention, MoE finalize and (fold
+   on) shared sites fused; at W = 4, 8 those sites fused; at any other W every site declines (world size);
 4. the chain's MoE consumes the local-route finalize + all-reduce + latent norm: recomputed independently
    from a layer's recorded input, through attnres.moe_finalize and torch.distributed directly;
 5. the finalize under TP at Kimi K3's latent shape (D = 3584, k = 16 on CUDA): routes split between ranks
@@ -27,10 +30,12 @@ from torch import Tensor
 
 import attnres
 from attnres.models.kimi_k3 import ChainTrace, KimiK3Config, ResidualSettings, compare_outputs, compare_traces
-from attnres.models.kimi_k3.residual import FUSED_ADD2
+from attnres.all_reduce import record_all_reduce_decisions
+from attnres.models.kimi_k3.residual import FUSED_ADD2, PendingPartial
 from attnres.models.kimi_k3.sublayers import _LayerRandom
-from attnres.models.kimi_k3.tp import (ROUTED_SCALE, Shards, StandInRoutedExperts, TPMoE, finalize_split_bound,
-                                       finalize_tp, tensor_parallel_model, unit_roundoff)
+from attnres.models.kimi_k3.tp import (FUSED, ROUTED_SCALE, FusedAllReduce, Shards, StandInRoutedExperts, TPMoE,
+                                       finalize_split_bound, finalize_tp, latent_width, tensor_parallel_model,
+                                       unit_roundoff)
 from attnres.moe import rmsnorm_two_rounding
 from attnres.reference import check_close
 
@@ -211,7 +216,10 @@ def _consumes_local_finalize(ctx: RankContext, moe: TPMoE, calls: list, mutation
         if not torch.equal(moe.routed_from_latent(normed).view(torch.int16), routed.view(torch.int16)):
             diffs.append(f"call {i}: routed differs")
         s = moe.shared_expert.partial(y, ctx.rank)
-        dist.all_reduce(s)
+        if isinstance(shared, PendingPartial):  # the fold site all-reduces it in its fused op
+            shared = shared.partial
+        else:
+            dist.all_reduce(s)
         if not torch.equal(s.view(torch.int16), shared.view(torch.int16)):
             diffs.append(f"call {i}: shared differs")
     return diffs
@@ -229,8 +237,14 @@ def chain_checks(ctx: RankContext, config: KimiK3Config, tokens: int, *, steps: 
     watched = [moe_layers[0], moe_layers[-1]] if moe_layers else []
     for layer in watched:
         layer.mlp = _MoERecorder(layer.mlp)
-    banks = {(name, fold): m.allocate_bank(tokens, fill=BANK_FILL) for name, m in (("tp", tp), ("ref", ref))
-             for fold in (False, True)}
+    from .communicator import Communicator
+
+    comms = [Communicator.create(tokens, config.hidden_size, device=ctx.device),
+             Communicator.create(tokens, latent_width(config), device=ctx.device)]
+    fused = tensor_parallel_model(config, replace(ctx.shards(), fused=FusedAllReduce(*comms, enabled=True)),
+                                  device=ctx.device)
+    banks = {(name, fold): m.allocate_bank(tokens, fill=BANK_FILL)
+             for name, m in (("tp", tp), ("ref", ref), ("fused", fused)) for fold in (False, True)}
     checks = []
     tag = f"T={tokens}"
     for step in range(steps):
@@ -243,6 +257,9 @@ def chain_checks(ctx: RankContext, config: KimiK3Config, tokens: int, *, steps: 
             if fold:
                 folded_sites = len(tp.paths.select(path=FUSED_ADD2))
             runs["ref", fold] = _step(ref, x, banks["ref", fold], fold)
+            with record_all_reduce_decisions() as decisions:
+                runs["fused", fold] = _step(fused, x, banks["fused", fold], fold)
+            audits["fused", fold] = decisions
         if mutation == "rank_dependent_output" and ctx.rank == 1:
             runs["tp", True][0].output.view(torch.int16)[0, 0] ^= 1
         s = f"{tag} step {step}"
@@ -257,6 +274,26 @@ def chain_checks(ctx: RankContext, config: KimiK3Config, tokens: int, *, steps: 
             checks.append(Check(f"{s} fold {'on' if fold else 'off'}: every all-reduce within (W-1) u sum|p_r| of "
                                 f"the exact sum of the {W} ranks' partials", calls > 0 and not violations,
                                 "; ".join(violations[:4]) if violations else f"{calls} all-reduces"))
+            f_out, f_trace = runs["fused", fold]
+            decisions = audits["fused", fold]
+            taken = sorted({d.site for d in decisions if d.path == FUSED})
+            bad = ranks_disagree(ctx, trace_tensors(f_out, f_trace))
+            checks.append(Check(f"{s} fold {'on' if fold else 'off'}: one-shot ops: every rank holds the same bits", not bad,
+                                f"ranks {bad} differ from rank 0" if bad else f"{len(decisions)} reductions"))
+            if W in (2, 4, 8):
+                # At W = 2 the one-shot sum (fp32, rounded once) is NCCL's/gloo's bf16 add bit for bit.
+                diffs = (compare_traces(trace, f_trace) + compare_outputs(out, f_out)) if W == 2 else []
+                want = {"attention", "moe_finalize"} | ({"shared"} if fold else set())
+                ok = not diffs and want <= set(taken)
+                name = "== the torch.distributed path (bitwise)" if W == 2 else "taken"
+            else:
+                why = {d.reason for d in decisions}
+                ok = not taken and all("world size" in r or "no one-shot" in r for r in why) and bool(decisions)
+                diffs, name = [], "decline (world size)"
+            checks.append(Check(f"{s} fold {'on' if fold else 'off'}: one-shot fused ops {name}", ok,
+                                "; ".join(diffs[:4]) if diffs else f"fused at {taken}; " + ", ".join(
+                                    sorted({f'{d.site}:{d.path}' + (f' ({d.reason})' if d.reason else '')
+                                            for d in decisions}))))
             if W == 2:
                 diffs = compare_traces(runs["ref", fold][1], trace) + compare_outputs(runs["ref", fold][0], out)
                 checks.append(Check(f"{s} fold {'on' if fold else 'off'}: TP=2 == TP=1 on the summed partials "
@@ -274,6 +311,8 @@ def chain_checks(ctx: RankContext, config: KimiK3Config, tokens: int, *, steps: 
         checks.append(Check(f"{tag} layer {layer.layer}: the chain's MoE parts are the local-route finalize + "
                             "all-reduce + latent norm (recomputed independently)", not diffs and bool(rec.calls),
                             "; ".join(diffs[:4]) if diffs else f"{len(rec.calls)} calls, bitwise"))
+    for c in comms:
+        c.close()
     return checks
 
 

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 from .config import KimiK3Config
-from .residual import (DEFER, BF16, PathRecord, PendingTail, ResidualSettings, SiteWeights, SnapshotBank,
-                       attn_res_add_site, attn_res_site, tail_route)
+from .residual import (DEFER, BF16, PathRecord, PendingPartial, PendingTail, ResidualSettings, SiteWeights, SnapshotBank,
+                       attn_res_add_site, attn_res_site, reduced, tail_route)
 from .sublayers import StandInAttention, StandInDenseMLP, StandInMoE, WeightPool
 from .trace import ChainTrace
 
@@ -70,12 +70,12 @@ class DecodeStep:
             self.trace.site(name, site.prefix, site.output, tap)
         return site.prefix, site.output
 
-    def pre_mlp(self, layer: int, prefix: Tensor, attn_out: Tensor, w: SiteWeights) -> tuple[Tensor, Tensor]:
+    def pre_mlp(self, layer: int, prefix: Tensor, attn_out: Tensor | PendingPartial, w: SiteWeights) -> tuple[Tensor, Tensor]:
         name = f"layer{layer}.pre_mlp"
         k = self.num_snapshots
         if self.config.is_snapshot_layer(layer):
             # The prefix restarted at the snapshot: the attention output is the whole new prefix.
-            site = attn_res_site(attn_out, self.bank, k, w, self.settings, site=name, record=self.record)
+            site = attn_res_site(reduced(attn_out), self.bank, k, w, self.settings, site=name, record=self.record)
         else:
             site = attn_res_add_site(prefix, attn_out, self.bank, k, w, self.settings, site=name, record=self.record)
         if self.trace is not None:

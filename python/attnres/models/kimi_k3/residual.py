@@ -19,7 +19,7 @@ import functools
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
@@ -254,16 +254,34 @@ class PathRecord:
 
 
 # ------------------------------------------------------------------------------------------------ tensors
+@dataclass(frozen=True)
+class PendingPartial:
+    """A row-parallel sub-layer's output on this rank before its all-reduce (tensor parallelism,
+    attnres.models.kimi_k3.tp). A site whose route is the fused op hands `partial` and `comm` (an
+    attnres.tp.Communicator that supports this call) to attnres.all_reduce_attn_res_add_rmsnorm and calls
+    `fused()` to record it; any other consumer calls `reduce()` (the chain's own all-reduce, recorded there)."""
+
+    partial: Tensor
+    comm: object
+    reduce: Callable[[], Tensor]
+    fused: Callable[[], None]
+
+
+def reduced(t: Tensor | PendingPartial) -> Tensor:
+    return t.reduce() if isinstance(t, PendingPartial) else t
+
+
 class PendingTail(NamedTuple):
-    """A MoE layer's tail, not yet added: the carried prefix is prefix + (routed + shared)."""
+    """A MoE layer's tail, not yet added: the carried prefix is prefix + (routed + shared). Under TP `shared`
+    may still be this rank's partial (a PendingPartial) for the fold site to all-reduce in its fused op."""
 
     prefix: Tensor
     routed: Tensor
-    shared: Tensor
+    shared: Tensor | PendingPartial
 
     def materialize(self) -> Tensor:
         """The eager chain's two bf16 adds, in its order: moe = routed + shared, then prefix + moe."""
-        return self.prefix + (self.routed + self.shared)
+        return self.prefix + (self.routed + reduced(self.shared))
 
 
 @dataclass
@@ -370,6 +388,14 @@ def try_fold(tail: PendingTail, bank: SnapshotBank, k: int, w: SiteWeights, sett
                        snapshot=snapshot, final_capture=final_capture)
     if route.path != FUSED_ADD2:
         return route, None
+    if isinstance(tail.shared, PendingPartial):
+        # The shared partial's all-reduce lands in the op's second addend: prefix + (routed + reduced shared).
+        out = attnres.all_reduce_attn_res_add_rmsnorm(
+            tail.shared.comm, tail.shared.partial, tail.prefix, bank.candidates(k), *w.args(), site="add2",
+            layer_residual_add=tail.routed, return_mixture=mixture, snapshot_slot=k if snapshot else None,
+            options=settings.options)
+        tail.shared.fused()
+        return route, SiteResult(out[1], out[2], out[3] if mixture else None, route)
     out = attnres.attn_res_add_rmsnorm(tail.prefix, tail.routed, bank.candidates(k), *w.args(),
                                        layer_residual_add2=tail.shared, return_mixture=mixture,
                                        snapshot_slot=k if snapshot else None, options=settings.options)
@@ -403,15 +429,23 @@ def attn_res_site(carried: Tensor | PendingTail, bank: SnapshotBank, k: int, w: 
     return SiteResult(prefix, output, mix, route)
 
 
-def attn_res_add_site(prefix: Tensor, add: Tensor, bank: SnapshotBank, k: int, w: SiteWeights,
+def attn_res_add_site(prefix: Tensor, add: Tensor | PendingPartial, bank: SnapshotBank, k: int, w: SiteWeights,
                       settings: ResidualSettings, *, site: str = "site", record: PathRecord | None = None
                       ) -> SiteResult:
     """A site that adds one addend (the pre-MLP site of a non-snapshot layer): P = prefix + add, then the mixture
-    over bank[:k] and P, then the norm."""
+    over bank[:k] and P, then the norm. Under TP `add` may be this rank's attention partial (a PendingPartial):
+    the fused route all-reduces it inside the site's op, every other route reduces it first."""
     T, H = prefix.shape
     route = site_route(settings, tokens=T, candidates=k + 1, hidden=H, device=prefix.device, add=True, tap=False)
     if record is not None:
         record.add(site, route, T, k + 1)
+    if isinstance(add, PendingPartial):
+        if route.path == FUSED_ADD:
+            _, updated, output = attnres.all_reduce_attn_res_add_rmsnorm(
+                add.comm, add.partial, prefix, bank.candidates(k), *w.args(), site="add", options=settings.options)
+            add.fused()
+            return SiteResult(updated, output, None, route)
+        add = add.reduce()
     if route.path == FUSED_ADD:
         updated, output = attnres.attn_res_add_rmsnorm(prefix, add, bank.candidates(k), *w.args(),
                                                        options=settings.options)

@@ -42,10 +42,13 @@ import torch
 from torch import Tensor
 
 import attnres
+from attnres import knobs as _knobs
+from attnres.all_reduce import (MOE_WORLD_SIZES, AllReduceDecision, note_decision,
+                                supports_moe_finalize_all_reduce)
 
 from .config import KimiK3Config
 from .decoder import KimiK3Model
-from .residual import BF16, ResidualSettings, rmsnorm
+from .residual import BF16, PendingPartial, ResidualSettings, rmsnorm
 from .sublayers import _POOL_SQUARE, _POOL_WIDE, WeightPool, _LayerRandom, _slice
 
 # Seed roles of the tensor-parallel stand-ins (distinct from the TP = 1 stand-ins' 1, 2, 3).
@@ -77,6 +80,50 @@ def _sum_in_rank_order(partials: list[Tensor]) -> Tensor:
     return total
 
 
+# Paths of an AllReduceDecision (attnres.all_reduce): the reduction fused into its consumer's op, the standalone
+# one-shot all-reduce (the consumer has no fused form, or its route is not the fused op), torch.distributed.
+FUSED, ONE_SHOT, FALLBACK = "fused", "one_shot", "fallback"
+
+
+@dataclass(frozen=True)
+class FusedAllReduce:
+    """The one-shot all-reduce of a TP rank (docs/ops/all_reduce.md): `hidden` joins the [T, H] partials
+    (attention, dense MLP, shared expert), `latent` the MoE's [T, D] finalize partial (a communicator has one
+    width); either may be None. `enabled` is ATTNRES_FUSED_ALL_REDUCE; `moe_max_tokens` overrides
+    ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS (None: the knob)."""
+
+    hidden: object = None
+    latent: object = None
+    enabled: bool = field(default_factory=lambda: _knobs.CURRENT.fused_all_reduce)
+    moe_max_tokens: int | None = None
+
+    def communicator(self, t: Tensor, world_size: int, latent: bool = False) -> tuple[object, str]:
+        """(the communicator that takes an all-reduce of t [T, width] bf16, "") or (None, why not)."""
+        if not self.enabled:
+            return None, "ATTNRES_FUSED_ALL_REDUCE=0"
+        comm = self.latent if latent else self.hidden
+        if comm is None:
+            return None, f"no communicator of the {'latent' if latent else 'hidden'} width"
+        if comm.closed:
+            return None, "the communicator is closed"
+        if world_size not in MOE_WORLD_SIZES:
+            return None, f"world size {world_size} has no one-shot kernel (2, 4 or 8)"
+        if comm.world_size != world_size:
+            return None, f"the communicator spans {comm.world_size} ranks, the group {world_size}"
+        if t.dim() != 2 or t.dtype != BF16:
+            return None, f"the partial is {tuple(t.shape)} {t.dtype}, not [T, D] bfloat16"
+        T, D = t.shape
+        if D != comm.width:
+            return None, f"D = {D} is not the communicator's width {comm.width}"
+        if T > comm.capacity:
+            return None, f"T = {T} is above the communicator's capacity {comm.capacity}"
+        if t.device.type != comm.device.type or (t.device.type == "cuda" and t.device != comm.device):
+            return None, f"the partial is on {t.device}, the communicator on {comm.device}"
+        if t.device.type == "cuda" and not attnres._C.cuda_backend_built():
+            return None, "attnres was built without the CUDA backend"
+        return comm, ""
+
+
 @dataclass(frozen=True)
 class Shards:
     """Which ranks' partials this process computes (`ranks`), in a group of `world_size`, and how it joins its
@@ -86,6 +133,7 @@ class Shards:
     world_size: int = 1
     ranks: tuple[int, ...] = (0,)
     all_reduce: Callable[[Tensor], Tensor] | None = field(default=None, compare=False)
+    fused: FusedAllReduce | None = field(default=None, compare=False)  # the one-shot ops, where they apply
 
     def __post_init__(self):
         if self.world_size < 1:
@@ -97,19 +145,46 @@ class Shards:
             raise ValueError("Shards: without an all_reduce this process must compute every rank's partial")
 
     @classmethod
-    def of_rank(cls, rank: int, world_size: int, all_reduce: Callable[[Tensor], Tensor]) -> "Shards":
-        """One rank of a tensor-parallel group."""
-        return cls(world_size, (rank,), all_reduce)
+    def of_rank(cls, rank: int, world_size: int, all_reduce: Callable[[Tensor], Tensor],
+                fused: FusedAllReduce | None = None) -> "Shards":
+        """One rank of a tensor-parallel group; `fused`: its one-shot communicators (None: torch.distributed)."""
+        return cls(world_size, (rank,), all_reduce, fused)
 
     @classmethod
     def summed(cls, world_size: int) -> "Shards":
         """The TP = 1 reference: every rank's partial here, summed in rank order (bf16 adds)."""
         return cls(world_size, tuple(range(world_size)))
 
-    def reduce(self, partials: list[Tensor]) -> Tensor:
-        """The sum over the group of the partials of `ranks` (one per rank, in rank order)."""
+    def _note(self, site: str, path: str, reason: str, t: Tensor) -> None:
+        note_decision(AllReduceDecision(site, path, reason, int(t.shape[0]) if t.dim() else 0, self.world_size,
+                                        str(t.device)))
+
+    def _comm(self, t: Tensor, latent: bool = False) -> tuple[object, str]:
+        if self.fused is None:
+            return None, "no communicator"
+        return self.fused.communicator(t, self.world_size, latent)
+
+    def reduce(self, partials: list[Tensor], site: str = "reduce") -> Tensor:
+        """The sum over the group of the partials of `ranks` (one per rank, in rank order). Under TP: the
+        standalone one-shot all-reduce where `fused` supports it, else the torch.distributed hook (recorded)."""
         total = _sum_in_rank_order(partials)
-        return total if self.all_reduce is None else self.all_reduce(total)
+        if self.all_reduce is None:
+            return total
+        comm, why = self._comm(total)
+        self._note(site, ONE_SHOT if comm is not None else FALLBACK, why, total)
+        return attnres.all_reduce(comm, total) if comm is not None else self.all_reduce(total)
+
+    def defer(self, partials: list[Tensor], site: str) -> Tensor | PendingPartial:
+        """This rank's partial left for its consumer to all-reduce in a fused op (a PendingPartial) when `fused`
+        supports it; otherwise the reduced sum, as reduce()."""
+        total = _sum_in_rank_order(partials)
+        if self.all_reduce is None:
+            return total
+        comm, _ = self._comm(total)
+        if comm is None:
+            return self.reduce([total], site)
+        return PendingPartial(total, comm, lambda: self.reduce([total], site),
+                              lambda: self._note(site, FUSED, "", total))
 
 
 def torch_distributed_all_reduce(group=None) -> Callable[[Tensor], Tensor]:
@@ -129,6 +204,8 @@ class _RowParallel:
     """The shape every tensor-parallel stand-in shares: features h computed column-parallel (rank r's columns K_r
     of a replicated input), then the row-parallel projection: partial_r = bf16((h[:, K_r] @ W[K_r]) * gain)."""
 
+    site = "reduce"  # the AllReduceDecision site of this stand-in's reduction
+
     def __init__(self, shards: Shards, width: int):
         if width < shards.world_size:
             raise ValueError(f"tensor parallelism over {shards.world_size} ranks needs a stand-in width >= that, "
@@ -144,12 +221,16 @@ class _RowParallel:
         return [self.partial(x, r) for r in self.shards.ranks]
 
     def __call__(self, x: Tensor) -> Tensor:
-        return self.shards.reduce(self.partials(x))
+        return self.shards.reduce(self.partials(x), self.site)
 
 
 class TPAttention(_RowParallel):
     """KDA/MLA stand-in with tensor-parallel heads: h = tanh (KDA) or sin (MLA) of a projection of a slice of x,
-    rank r's heads are columns K_r, the output projection is row-parallel."""
+    rank r's heads are columns K_r, the output projection is row-parallel. Under TP with the one-shot ops the
+    output is this rank's partial (a PendingPartial): the pre-MLP site all-reduces it inside its fused op."""
+
+    def __call__(self, x: Tensor):
+        return self.shards.defer(self.partials(x), "attention")
 
     def __init__(self, config: KimiK3Config, layer: int, pool: WeightPool, shards: Shards, device):
         super().__init__(shards, config.standin_rank)
@@ -170,6 +251,8 @@ class TPAttention(_RowParallel):
 
 class TPDenseMLP(_RowParallel):
     """Layer 0's gated MLP: gate and up column-parallel, down row-parallel."""
+
+    site = "dense_mlp"
 
     def __init__(self, config: KimiK3Config, layer: int, pool: WeightPool, shards: Shards, device):
         super().__init__(shards, config.standin_rank)
@@ -282,7 +365,25 @@ def finalize_tp(pieces: list[LocalPieces], shards: Shards, norm_weight: Tensor, 
     """The finalize under TP: per rank of shards.ranks the local-route finalize, then the all-reduce (the
     partials joined), then the latent RMSNorm (two roundings, as moe_finalize's own norm). Returns (the reduced
     latent, the normed latent)."""
-    latent = shards.reduce([finalize_partial(p, scale) for p in pieces])
+    if shards.all_reduce is not None and len(pieces) == 1:
+        p = pieces[0]
+        T, k = p.index.shape
+        D = p.rows.shape[1]
+        probe = p.rows.new_empty((T, D)) if p.rows.dim() == 2 else p.rows
+        comm, why = shards._comm(probe, latent=True)
+        if comm is not None:
+            gate = shards.fused.moe_max_tokens
+            ok, why = supports_moe_finalize_all_reduce(T, k, D, shards.world_size, (p.rows.dtype, p.weights.dtype),
+                                                       p.rows.device, max_tokens=gate)
+            if ok:
+                # One launch: the local-route combine, the all-reduce of the latent, the two-rounding norm.
+                shards._note("moe_finalize", FUSED, "", probe)
+                return attnres.moe_finalize_all_reduce(comm, p.rows, p.weights, p.index, norm_weight, eps=eps,
+                                                       scale=scale)
+        shards._note("moe_finalize", FALLBACK, why, probe)
+        latent = shards.all_reduce(finalize_partial(p, scale))
+        return latent, rmsnorm(latent, norm_weight, eps)
+    latent = shards.reduce([finalize_partial(p, scale) for p in pieces], "moe_finalize")
     return latent, rmsnorm(latent, norm_weight, eps)
 
 
@@ -337,14 +438,16 @@ class TPMoE:
         return self.routed_from_latent(self.latent(y)[1])
 
     def shared(self, y: Tensor) -> Tensor:
-        return self.shared_expert(y)
+        return self.shards.reduce(self.shared_expert.partials(y), "shared")
 
     def __call__(self, y: Tensor, *, return_parts: bool = False):
-        """routed + shared (one bf16 add of the two reduced parts), or the reduced (routed, shared)."""
-        routed, shared = self.routed(y), self.shared(y)
+        """routed + shared (one bf16 add of the two reduced parts), or (routed, shared) for the fold: under TP
+        with the one-shot ops `shared` is then this rank's partial (a PendingPartial) that the fold site
+        all-reduces inside its fused op (site add2), or reduces first where it cannot fold."""
+        routed = self.routed(y)
         if return_parts:
-            return routed, shared
-        return routed + shared
+            return routed, self.shards.defer(self.shared_expert.partials(y), "shared")
+        return routed + self.shared(y)
 
 
 # ------------------------------------------------------------------------------------------ the model

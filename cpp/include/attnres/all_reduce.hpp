@@ -1,0 +1,112 @@
+// The one-shot all-reduce of tensor-parallel decode and the epilogues fused with it (docs/ops/all_reduce.md).
+//
+//   all_reduce                        reduced = bf16( sum_{r = 0..W-1} f32(partial_r) )   fp32, rank order, one rounding
+//   all_reduce_attn_res_add_rmsnorm   all_reduce into the addend (site add) or the second addend (site add2) of
+//                                     attn_res_add_rmsnorm, then that op (two kernels joined by PDL)
+//   moe_finalize_all_reduce           the local-route combine of moe_finalize (no shared, no norm), the all_reduce
+//                                     of that partial, then moe_finalize's two-rounding RMSNorm: one kernel
+//
+// A real -0.0 element of a partial is read as +0.0 (the exchange uses -0.0 as its "not yet written" marker).
+//
+// The communicator (CommRef) is a view of memory the caller allocated and exchanged once (attnres.tp.Communicator):
+// per rank a buffer region of 3 slots x W sources x `capacity` tokens x `width` bf16 elements, initialised to
+// -0.0, reachable from every rank (peers' regions mapped through CUDA IPC or in one process), and this rank's
+// small state (generation, error word, arrival counter, tokens per slot). Nothing is passed per call: the
+// generation advances inside the kernel, so CUDA-graph replays rotate the slots correctly.
+//
+// Backends: CUDA runs the exchange itself. The CPU backend cannot reach other processes' memory: it takes every
+// rank's partial already gathered ([W, T, D], torch.distributed gathers them) and reduces them in rank order.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "attnres/attn_res.hpp"
+#include "attnres/device.hpp"
+#include "attnres/moe_finalize.hpp"
+#include "attnres/tensor.hpp"
+
+namespace attnres {
+
+constexpr int32_t kAllReduceMaxWorld = 8;
+constexpr int32_t kAllReduceSlots = 3;
+constexpr int32_t kAllReduceStateWords = 8;  // uint32: [0] generation, [1] error, [2] arrivals, [3..5] tokens per slot, [6] late source
+constexpr int64_t kAllReduceMaxWidth = 16384;
+constexpr int64_t kAllReduceWidthMultiple = 8;
+
+// Error word values (state[1]); 0 = healthy. Once set, every later call on the communicator exits at once.
+constexpr uint32_t kAllReduceErrorTimeout = 1;
+
+struct CommRef {
+  int32_t world_size = 0;
+  int32_t rank = -1;
+  int64_t capacity = 0;  // T_max: tokens per slot
+  int64_t width = 0;     // D: elements per token
+  Device device{};
+  // buffers[r]: base of rank r's region, bf16 [3][W][capacity][width], as this process addresses it.
+  uintptr_t buffers[kAllReduceMaxWorld] = {};
+  uintptr_t state = 0;  // this rank's uint32 [kAllReduceStateWords], on `device`
+  int64_t timeout_ns = 10'000'000'000;  // bounded wait per call; must allow for time slicing between processes
+};
+
+struct AllReduceArgs {
+  TensorRef input;     // [T, D] bf16, this rank's partial (CUDA); innermost stride 1, 16-byte aligned rows
+  TensorRef gathered;  // [W, T, D] bf16, every rank's partial in rank order (CPU backend only)
+  TensorRef output;    // [T, D] bf16, caller-allocated; may not alias the input
+  CommRef comm;
+  void* stream = nullptr;
+};
+
+struct AllReduceOptions {
+  bool pdl = true;  // launch with PDL; the kernel waits on the grid dependency before reading the partial
+  // Release dependents at the start of the kernel (their griddepcontrol.wait still waits for this kernel to
+  // finish): a PDL consumer then issues its independent loads while the exchange runs.
+  bool early_trigger = true;
+  KernelKind kernel = KernelKind::automatic;  // cpu or single_cta (tests); still validated
+};
+
+struct AllReducePlan {
+  KernelKind kernel = KernelKind::automatic;  // cpu or single_cta (the one-shot kernel); automatic when declined
+  std::string decline;
+  int32_t threads = 0;  // per block; each thread owns one 16-byte vector of a token
+  int32_t blocks_per_token = 0;
+  bool pdl = false, early_trigger = false;
+  bool accepted() const { return decline.empty(); }
+};
+
+struct AllReduceQuery {
+  int32_t world_size = 0;
+  int64_t tokens = 0, width = 0;
+  Device device{};
+};
+
+// ArgumentError ("all_reduce: <arg> <rule>") on any violated precondition; nothing is written.
+void validate_all_reduce(const AllReduceArgs& args, bool require_output = true);
+AllReducePlan plan_all_reduce(const AllReduceQuery& query, const DeviceInfo& device, const AllReduceOptions& options = {});
+AllReducePlan plan_all_reduce(const AllReduceArgs& args, const AllReduceOptions& options = {});
+void all_reduce(const AllReduceArgs& args, const AllReduceOptions& options = {});
+
+// Design (b): `ar.output` must be exactly the addend the site reduces (site add: attn.layer_residual_add; site
+// add2: attn.layer_residual_add2). Both calls are validated and planned before anything is launched.
+enum class AllReduceSite : int32_t { add = 0, add2 = 1 };
+void all_reduce_attn_res_add_rmsnorm(const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn,
+                                     const AllReduceOptions& ar_options = {}, const Options& attn_options = {});
+
+// MoE finalize + all-reduce + latent RMSNorm. finalize.norm_weight is required, finalize.shared refused;
+// finalize.output receives the normed latent, `reduced` (optional) the all-reduced latent before the norm.
+struct MoeFinalizeAllReduceArgs {
+  MoeFinalizeArgs finalize;
+  TensorRef reduced;   // [T, D] bf16, optional
+  TensorRef gathered;  // [W, T, D] bf16: every rank's local-route partial (CPU backend only)
+  CommRef comm;
+};
+void validate_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, bool require_output = true);
+// The plan of the fused kernel: declines world sizes without a kernel instance (2, 4, 8 on CUDA), the finalize's
+// own declines, and a D other than the communicator's width.
+AllReducePlan plan_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, const AllReduceOptions& options = {});
+void moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, const AllReduceOptions& options = {});
+
+// The world sizes the CUDA kernels are instantiated for.
+bool all_reduce_world_supported(int32_t world_size);
+
+}  // namespace attnres
