@@ -237,11 +237,13 @@ def test_every_candidate_count_and_pass_mode_is_covered():
     assert {c[1] for c in CASES} == set(range(1, 17))
     assert {c[0] for c in CASES} >= {33, 300, 1024, 4096, 16384}
     assert {c[2] for c in CASES} >= {2304, 4096, 7168, 8192, 16384, 2056}
-    modes = set()
-    for T, N, H, layout, add, via, eps, extra in CASES:
-        p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=T, candidates=N, hidden=H, device="cuda", add=add)
-        modes.add((p.passes, p.vectors))
-    assert {m[0] for m in modes} == {1, 2} and {m[1] for m in modes} == {1, 2, 4, 8}, modes
+    def plan(T, N, H, add):
+        return attnres.plan("attn_res_add_rmsnorm_persistent", tokens=T, candidates=N, hidden=H, device="cuda", add=add)
+
+    modes = {(p.passes, p.vectors) for p in (plan(T, N, H, add) for T, N, H, layout, add, via, eps, extra in CASES)}
+    # every vector bucket the plan can give at some H (the layout follows split_k's chunks)
+    buckets = {plan(1, 9, H, True).vectors for H in range(8, 16385, 8)}
+    assert {m[0] for m in modes} == {1, 2} and {m[1] for m in modes} == buckets, (modes, buckets)
 
 
 # ------------------------------------------------------------------------------------------------ bits

@@ -70,7 +70,7 @@ bool routes_to_persistent(const PlanQuery& q, const Options& o) {
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
   if (o.topology == Topology::automatic)
-    return tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden) && persistent_decline(q).empty();
+    return tuning::automatic_prefers_persistent(q.tokens, q.add) && persistent_decline(q).empty();
   return false;
 }
 

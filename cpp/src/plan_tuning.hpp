@@ -80,14 +80,14 @@ constexpr int32_t split_k_chunk(int64_t hidden) {
 }
 constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
-// The automatic topology's crossover: the persistent kernel from this many tokens up (where it supports the
-// call). Measured on the H200 with the kernels' release right after the PDL wait (bench persistent; docs/
-// performance.md, "Persistent kernel"): see the results file named there.
-constexpr int64_t kAutomaticPersistentMinTokens = 128;
-inline bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden) {
-  (void)candidates;
-  (void)hidden;
-  return tokens >= kAutomaticPersistentMinTokens;
+// The automatic topology's crossover: the persistent kernel from this many tokens up, with one addend (where it
+// supports the call). Measured on the H200 with every kernel releasing right after its PDL wait
+// (bench_results/h200_c99ff4f_persistent_quick.json, H = 7168, N = 9): with the addend the persistent kernel
+// was faster only at T = 16384 (1164 vs 1191 us; 85 vs 84 us at T = 1024, 10.6 vs 6.2 at T = 64); without
+// it the per-token kernel was faster at every T measured (980 vs 1089 us at T = 16384).
+constexpr int64_t kAutomaticPersistentMinTokens = 16384;
+inline bool automatic_prefers_persistent(int64_t tokens, bool add) {
+  return add && tokens >= kAutomaticPersistentMinTokens;
 }
 
 }  // namespace attnres::tuning

@@ -117,9 +117,10 @@ def _hint(v) -> int | None:
     """A dimension's value while tracing: the example value of a symbolic size (no guard is added), None
     when it has none (an unbacked size)."""
     if isinstance(v, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import has_guarding_hint, optimization_hint
-
-        return int(optimization_hint(v)) if has_guarding_hint(v) else None
+        node = v.node
+        # has_hint() and .hint read the example value without adding a guard (torch >= 2.4; the newer
+        # has_guarding_hint/optimization_hint helpers are missing from some releases, e.g. 2.11)
+        return int(node.hint) if node.has_hint() else None
     return int(v)
 
 
