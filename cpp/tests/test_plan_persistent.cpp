@@ -291,20 +291,20 @@ TEST(PlanPersistent, LayoutArithmetic) {
 // The automatic topology (the default): the persistent kernel only where it measured faster (one addend, T at or
 // above the crossover) and only where it supports the call; the per-token kernels everywhere else, never a decline.
 TEST(PlanPersistent, AutomaticTopologyRoutesByTheMeasuredCrossover) {
-  const Options automatic{};
-  ASSERT_EQ(automatic.topology, Topology::automatic);
+  const attnres::Options automatic{};
+  ASSERT_EQ(automatic.topology, attnres::Topology::automatic);
   const int64_t big = attnres::tuning::kAutomaticPersistentMinTokens;
-  const AttnResOp add = AttnResOp::attn_res_add_rmsnorm, norm = AttnResOp::attn_res_rmsnorm;
-  EXPECT_EQ(attnres::plan(query(add, big, 9, 7168, true), h200(), automatic).kernel, KernelKind::persistent);
-  EXPECT_EQ(attnres::plan(query(add, big - 1, 9, 7168, true), h200(), automatic).kernel, KernelKind::split_k);
-  EXPECT_EQ(attnres::plan(query(norm, big, 9, 7168, false), h200(), automatic).kernel, KernelKind::split_k);
-  PlanQuery q = query(add, big, 9, 7168, true);
+  const attnres::AttnResOp add = attnres::AttnResOp::attn_res_add_rmsnorm, norm = attnres::AttnResOp::attn_res_rmsnorm;
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, big, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, big - 1, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(norm, big, 9, 7168, false), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  attnres::PlanQuery q = attnres_test::query(add, big, 9, 7168, true);
   q.add2 = true;  // the persistent kernel declines add2: auto stays per-token instead of declining
-  EXPECT_EQ(attnres::plan(q, h200(), automatic).kernel, KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   q.add2 = false;
   q.tap = true;
-  EXPECT_EQ(attnres::plan(q, h200(), automatic).kernel, KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   q.tap = false;
   q.snapshot = true;
-  EXPECT_EQ(attnres::plan(q, h200(), automatic).kernel, KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
 }
