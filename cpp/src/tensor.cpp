@@ -17,6 +17,7 @@ const char* dtype_name(DType dtype) {
     case DType::i64: return "int64";
     case DType::u8: return "uint8";
     case DType::other: return "an unsupported dtype";
+    case DType::e4m3: return "float8_e4m3fn";
   }
   return "an unsupported dtype";
 }
@@ -31,6 +32,7 @@ int64_t dtype_size(DType dtype) {
     case DType::i64: return 8;
     case DType::u8: return 1;
     case DType::other: return 1;
+    case DType::e4m3: return 1;
   }
   return 1;
 }

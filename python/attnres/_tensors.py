@@ -18,6 +18,7 @@ _DTYPES = {
     torch.float64: _C.DType.f64,
     torch.int64: _C.DType.i64,
     torch.uint8: _C.DType.u8,
+    torch.float8_e4m3fn: _C.DType.e4m3,
 }
 
 ABSENT = _C.TensorRef()

@@ -62,7 +62,12 @@ NB_MODULE(_C, m) {
       .value("f64", DType::f64)
       .value("i64", DType::i64)
       .value("u8", DType::u8)
-      .value("other", DType::other);
+      .value("other", DType::other)
+      .value("e4m3", DType::e4m3);
+  nb::enum_<Fp8Scales>(m, "Fp8Scales")
+      .value("none", Fp8Scales::none)
+      .value("per_token", Fp8Scales::per_token)
+      .value("block128", Fp8Scales::block128);
   nb::enum_<DeviceType>(m, "DeviceType").value("cpu", DeviceType::cpu).value("cuda", DeviceType::cuda);
   nb::enum_<AttnResOp>(m, "AttnResOp")
       .value("attn_res", AttnResOp::attn_res)
@@ -114,6 +119,10 @@ NB_MODULE(_C, m) {
       .def_rw("probs", &AttnResArgs::probs)
       .def_rw("logits", &AttnResArgs::logits)
       .def_rw("snapshot_slot", &AttnResArgs::snapshot_slot)
+      .def_rw("fp8", &AttnResArgs::fp8)
+      .def_rw("fp8_pow2_scales", &AttnResArgs::fp8_pow2_scales)
+      .def_rw("output_fp8", &AttnResArgs::output_fp8)
+      .def_rw("fp8_scales", &AttnResArgs::fp8_scales)
       .def_prop_rw(
           "stream", [](const AttnResArgs& a) { return reinterpret_cast<uintptr_t>(a.stream); },
           [](AttnResArgs& a, uintptr_t s) { a.stream = reinterpret_cast<void*>(s); });
@@ -136,7 +145,9 @@ NB_MODULE(_C, m) {
       .def_rw("add2", &PlanQuery::add2)
       .def_rw("tap", &PlanQuery::tap)
       .def_rw("snapshot", &PlanQuery::snapshot)
-      .def_rw("diagnostics", &PlanQuery::diagnostics);
+      .def_rw("diagnostics", &PlanQuery::diagnostics)
+      .def_rw("fp8", &PlanQuery::fp8)
+      .def_rw("fp8_pow2_scales", &PlanQuery::fp8_pow2_scales);
 
   nb::class_<Plan>(m, "Plan")
       .def_ro("kernel", &Plan::kernel)
