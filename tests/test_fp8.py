@@ -272,7 +272,7 @@ def test_rejections_write_nothing(device):
     w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
     cases = [
         (lambda: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8="block128"),
-         "multiple of 128"),
+         "attn_res_rmsnorm: fp8 = block128 needs the hidden size H to be a multiple of 128, got H = "),
         (lambda: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8="fp8"), "fp8 must be"),
         (lambda: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
                                               fp8_pow2_scales=True), "fp8_pow2_scales requires"),
@@ -315,8 +315,8 @@ def test_cpp_rejections_of_fp8_tensors():
     good = fp8.empty_scales("block128", T, H, "cpu")
     _C.validate(_C.AttnResOp.attn_res_rmsnorm, args("block128", good))
     bad = [
-        (args("block128", torch.empty(T, 2)), "column-major"),                       # row-major scales
-        (args("block128", torch.empty_strided((T, 2), (1, T))), "padded to a multiple of 4"),
+        (args("block128", torch.empty(T, 2)), "^attn_res_rmsnorm: fp8_scales must be column-major over tokens with the token stride padded"),
+        (args("block128", torch.empty_strided((T, 2), (1, T))), "^attn_res_rmsnorm: fp8_scales must be column-major over tokens"),
         (args("block128", torch.empty(T, 3)), "shape"),
         (args("per_token", torch.empty(T, 2)), r"\[T, 1\]"),
         (args("per_token", torch.empty(T, 1, dtype=torch.float64)), "float32"),
@@ -332,11 +332,11 @@ def test_cpp_rejections_of_fp8_tensors():
         _C.validate(_C.AttnResOp.attn_res, a)
     a = args("per_token", torch.empty(T, 1))
     a.fp8 = _C.Fp8Scales.none
-    with pytest.raises(attnres.ArgumentError, match="requires fp8"):
+    with pytest.raises(attnres.ArgumentError, match="^attn_res_rmsnorm: output_fp8 requires fp8 = per_token or block128"):
         _C.validate(_C.AttnResOp.attn_res_rmsnorm, a)
     a = args("per_token", good[:, :1].contiguous())
     a.output_fp8 = _C.TensorRef()
-    with pytest.raises(attnres.ArgumentError, match="output_fp8 is required"):
+    with pytest.raises(attnres.ArgumentError, match="^attn_res_rmsnorm: output_fp8 is required with fp8 = "):
         _C.validate(_C.AttnResOp.attn_res_rmsnorm, a)
 
 
@@ -345,7 +345,7 @@ def test_plan_declines_what_the_ops_reject():
     assert not attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=200, fp8="block128").accepted
     assert not attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=256, fp8_pow2_scales=True).accepted
     assert attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=256, fp8="block128").accepted
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^attnres.plan: fp8 must be one of "):
         attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=256, fp8="x")
 
 
