@@ -1,4 +1,4 @@
-"""The contract's bitwise properties (shared/spec/ops.md, "Determinism and bitwise properties").
+"""The contract's bitwise properties (docs/ops/common.md, section 8, and the op pages).
 
 * updated == PyTorch's `prefix + (add + add2)` (and `prefix + add`) bit for bit, subnormals included;
 * with two addends, updated/output/tap equal the one-addend call on the bf16 sum, and the no-add op on the

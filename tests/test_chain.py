@@ -318,27 +318,3 @@ def test_real_schedule_fold_is_bitwise_invisible_cuda(T):
     assert {e.kernel for e in rec if e.path == R.FUSED_ADD2} <= {"single_cta", "split_k"}
     assert max(e.candidates for e in rec if e.kind == "pre_attn") == 9
     assert torch.isfinite(out.output.float()).all()
-
-
-# ------------------------------------------------------------------------------------------------ the demo
-def test_demo_reports_paths_and_bitwise_identity(capsys):
-    from attnres.__main__ import main
-
-    rc = main(["demo", "--device", "cpu", "--hidden", "256", "--layers", "13", "--block", "4", "--steps", "2",
-               "--tokens", "2"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    assert "bitwise fold vs eager: identical" in out
-    assert "fused_add2 [cpu]" in out and "defer" in out and "fused_add [cpu]" in out
-    assert "fold off:" in out and "fold on :" in out and " ms " in out
-
-
-def test_demo_rejects_bad_arguments(capsys):
-    from attnres.__main__ import main
-
-    assert main(["demo", "--device", "cpu", "--hidden", "260"]) == 2  # H not a multiple of 8
-    assert "hidden_size" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["demo", "--fold", "maybe"])
-    with pytest.raises(SystemExit):
-        main(["demo", "--steps", "0"])

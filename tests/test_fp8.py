@@ -121,8 +121,9 @@ def _check_against_reference(result, mode, pow2, what, bf16_output=None):
 
 
 OPS = ("attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
-# (T, N, H): H = 1152 splits 128-column groups across split_k's blocks (chunk 72 vectors), 7168 does not.
-SHAPES = [(1, 2, 128), (3, 5, 384), (8, 9, 1152), (2, 12, 7168)]
+# (T, N, H): H = 1152 splits 128-column groups across split_k's blocks (chunk 72 vectors), 7168 does not; at
+# N <= 4 single_cta lays H = 1152 out as split_k's two chunks in one block (a thread's index is not its vector's).
+SHAPES = [(1, 2, 128), (3, 5, 384), (2, 4, 1152), (8, 9, 1152), (2, 12, 7168)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -157,7 +158,10 @@ def test_split_k_groups_across_blocks(mode, H, cluster):
 @requires_cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_persistent_every_vector_bucket(mode):
-    for T, N, H in ((1, 2, 1024), (40, 5, 2048), (7, 9, 7168), (3, 16, 16384), (130, 3, 4096)):
+    # H = 1152 (chunks of 72 vectors, 3 consumer warps each) and 2560 (chunks of 107, 4 vectors per thread):
+    # 128-column groups straddle two chunks, hence two consumer warps (the shared-memory group reduction).
+    for T, N, H in ((1, 2, 1024), (40, 5, 2048), (7, 9, 7168), (3, 16, 16384), (130, 3, 4096), (5, 4, 1152),
+                    (9, 9, 2560)):
         inp = make_inputs(T, N, H, addends=1, seed=T + H, device="cuda")
         for pow2 in (False, True):
             _check_against_reference(_call("attn_res_add_rmsnorm_persistent", inp, mode, pow2), mode, pow2,

@@ -1,4 +1,4 @@
-"""Regression test for the seed's silent 0.00-GSM8K bug (shared/seeds/004): with routing pre-computed by the
+"""Regression test for a MoE runner's silent 0.00-GSM8K bug (docs/ops/moe_finalize.md): with routing pre-computed by the
 caller, the runner reads the caller's weights buffer and never writes its own local one, yet its deferred
 path (do_finalize=False) returned the local buffer. The consumer then applied uninitialized memory as routing
 weights: no crash, garbage output.

@@ -172,7 +172,7 @@ CASES = [
     (300, 9, 7168, "snapshot_major", True, "persistent_op", E_RMS_BIG, {}),
     (300, 9, 7168, "token_major", False, "topology", E_SAME, {}),
     (1024, 12, 7168, "contiguous", True, "topology", E_NORM_BIG, {"row_pad": 8}),
-    (4096, 9, 7168, "token_major", True, "persistent_op", E_SAME, {}),  # P5's shape
+    (4096, 9, 7168, "token_major", True, "persistent_op", E_SAME, {}),  # the bandwidth target's shape (docs/performance.md)
     (16384, 5, 2304, "snapshot_major", True, "persistent_op", E_SAME, {}),
     (16384, 3, 7168, "token_major", True, "topology", E_SAME, {}),
     (1024, 16, 7168, "snapshot_major", True, "persistent_op", E_SAME, {}),  # two passes

@@ -7,6 +7,7 @@
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
+# teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling; build (or any
 # other word): the build alone. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
@@ -116,7 +117,7 @@ fi
 # The guard's baseline (GUARD_BASELINE): the landed kernels' guard run (f2a5a55's kernels, the two-GPU host's GPU 1,
 # the current benchmark harness); bench_results/h200_4aed4f9.json is the older, faster build's (docs/performance.md).
 if has chain; then
-  step "decode-chain benchmark (P6) and the regression guard"
+  step "decode-chain benchmark and the regression guard"
   timeout -s INT -k 20 "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
   if [[ ${GUARD:-1} == 1 ]]; then
     timeout 120 python3 -m attnres.bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" \
@@ -124,7 +125,7 @@ if has chain; then
   fi
 fi
 if has persistent; then
-  step "persistent-kernel benchmark (P5, per-token/persistent crossover)"
+  step "persistent-kernel benchmark (per-token/persistent crossover)"
   timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
 fi
@@ -144,6 +145,10 @@ if has tp; then
       --out "$OUT/tp_symm.json" >"$OUT/tp_symm.log" 2>&1 || status=1
     grep -m5 -B2 -A12 "Error\|Traceback" "$OUT/tp_symm.log" | head -60; tail -12 "$OUT/tp_symm.log"
   fi
+fi
+if has teeth; then
+  step "PDL release: tests/test_pdl_release.py against an entry-release mutant (tools/pdl_teeth.sh) must fail"
+  OUT="$OUT" tools/pdl_teeth.sh || status=1
 fi
 if has bench full; then
   step "benchmarks"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Every precondition message of the library and the tests that provoke it, read from the source.
 
-    python3 tools/precondition_table.py            the markdown table (docs/reliability.md section 1.4)
+    python3 tools/precondition_table.py            the markdown table (docs/reliability.md section 1, "Generated")
     python3 tools/precondition_table.py --check    exit 1 listing every message no test covers
     python3 tools/precondition_table.py --json     one record per message
     python3 tools/precondition_table.py --write-docs   the table into docs/reliability.md (between its markers)

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "plan_tuning.hpp"
+
 namespace attnres::persistent {
 
 constexpr int32_t kMaxCandidates = 16;      // the ops' N limit (attn_res.hpp kMaxCandidates)
@@ -33,17 +35,40 @@ constexpr int64_t kSlotAlign = 128;
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// 16-byte vectors per consumer thread (a compile-time bucket of the kernel), and consumer threads: the
-// fewest whole warps (<= 8) that cover the row's H / 8 vectors with `vectors` each. A function of H only:
-// the thread that owns an element, hence every reduction order, never depends on T or on the grid.
+// The consumers reproduce split_k's reduction order (plan_tuning.hpp split_k_chunk): lane l of a consumer warp
+// owns, as its vector j, lane l of one split_k warp ("chunk warp") of one rank chunk, so a butterfly per j gives
+// split_k's warp sums bit for bit. Consumer warps are assigned to chunks in order, warps_per_chunk(H) to each:
+//   * one per chunk warp (vectors_per_thread = 1) when all chunk warps fit the 8 consumer warps (H <= 2048);
+//   * otherwise one per chunk, holding its chunk warps as j = 0.. (vectors_per_thread = that count's bucket
+//     1/2/4/8; the j past it own nothing), which sums them in order itself.
+// A function of H only: the thread that owns an element, hence every reduction order, never depends on T or
+// on the grid.
+constexpr int32_t warps_per_chunk(int64_t hidden) {
+  const int32_t chunk_warps = tuning::split_k_chunk_warps(hidden);
+  return tuning::split_k_cluster(hidden) * chunk_warps <= kMaxConsumerWarps ? chunk_warps : 1;
+}
 constexpr int32_t vectors_per_thread(int64_t hidden) {
-  const int64_t vecs = hidden / 8;
-  return vecs <= 256 ? 1 : vecs <= 512 ? 2 : vecs <= 1024 ? 4 : 8;
+  const int32_t per = tuning::split_k_chunk_warps(hidden) / warps_per_chunk(hidden);  // exact: 1 or chunk_warps
+  return per <= 1 ? 1 : per <= 2 ? 2 : per <= 4 ? 4 : 8;
 }
 constexpr int32_t consumer_threads(int64_t hidden) {
-  const int64_t vecs = hidden / 8, per = vectors_per_thread(hidden);
-  return static_cast<int32_t>(round_up((vecs + per - 1) / per, 32));
+  return tuning::split_k_cluster(hidden) * warps_per_chunk(hidden) * 32;
 }
+// The vector (index into the row's H / 8) that consumer warp `warp`, lane `lane` owns as its vector j, or -1 when
+// it owns none there (past its chunk warp's lanes, its chunk or the row). Consumer warp w serves chunk
+// w / warps_per_chunk and, within it, chunk warps (w % warps_per_chunk) * V + j.
+constexpr int32_t chunk_of_warp(int32_t warp, int32_t warps_per_chunk_) { return warp / warps_per_chunk_; }
+constexpr int32_t position_in_chunk(int32_t warp, int32_t lane, int32_t j, int32_t vectors_per_thread_,
+                                    int32_t warps_per_chunk_) {
+  return ((warp % warps_per_chunk_) * vectors_per_thread_ + j) * 32 + lane;
+}
+constexpr int32_t owned_vector(int32_t warp, int32_t lane, int32_t j, int32_t vectors_per_thread_,
+                               int32_t warps_per_chunk_, int32_t chunk, int32_t vectors) {
+  const int32_t in_chunk = position_in_chunk(warp, lane, j, vectors_per_thread_, warps_per_chunk_);
+  const int32_t v = chunk_of_warp(warp, warps_per_chunk_) * chunk + in_chunk;
+  return in_chunk < chunk && v < vectors ? v : -1;
+}
+
 // The 8-vector bucket keeps the norm weight in shared memory (registers: see the kernel).
 constexpr bool norm_weight_in_shared(int32_t vectors) { return vectors == 8; }
 

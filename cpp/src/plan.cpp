@@ -59,10 +59,13 @@ Plan declined(std::string reason) {
 
 int32_t round_up(int64_t v, int64_t m) { return static_cast<int32_t>((v + m - 1) / m * m); }
 
-int32_t candidate_bucket(int64_t n) {
-  for (int32_t b : tuning::kCandidateBuckets)
-    if (n <= b) return b;
-  return tuning::kCandidateBuckets[tuning::kNumCandidateBuckets - 1];
+// A one-block launch of the per-token kernel (single_cta, or split_k with a cluster of one) reproduces split_k's
+// reduction order inside the block: it lays out split_k_cluster(H) chunks of split_k_chunk(H) vectors, each on
+// its own kSplitKBlockVectors threads (only the last chunk's block part is trimmed to whole warps), and sums
+// the warps chunk by chunk (cuda/attn_res_per_token.cuh).
+int32_t one_block_threads(int64_t hidden) {
+  const int64_t chunks = tuning::split_k_cluster(hidden);
+  return static_cast<int32_t>((chunks - 1) * tuning::kSplitKBlockVectors) + round_up(tuning::split_k_chunk(hidden), 32);
 }
 
 bool routes_to_persistent(const PlanQuery& q, const Options& o) {
@@ -186,17 +189,17 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   p.kernel = kernel;
   p.pdl = o.pdl;
   p.vectors = 1;
-  p.max_candidates = candidate_bucket(q.candidates);
+  p.max_candidates = tuning::candidate_bucket(q.candidates);
   if (kernel == KernelKind::single_cta) {
     p.cluster = 1;
-    p.threads = round_up(vecs, 32);
+    p.threads = one_block_threads(q.hidden);
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel
     // predicates its loads and stores off, and it takes part in the exchanges with zeros).
     cluster = static_cast<int32_t>(std::min<int64_t>(cluster, vecs));
     p.cluster = std::max(cluster, 1);
-    p.threads = round_up((vecs + p.cluster - 1) / p.cluster, 32);
+    p.threads = p.cluster == 1 ? one_block_threads(q.hidden) : round_up((vecs + p.cluster - 1) / p.cluster, 32);
     if (p.threads > tuning::kSplitKMaxThreads)
       return declined("split_k with a cluster of " + std::to_string(p.cluster) + " needs " +
                       std::to_string(p.threads) + " threads per block for H = " + std::to_string(q.hidden) +

@@ -12,6 +12,13 @@ namespace attnres::tuning {
 // N = 7-9 in the bucket of 9 took 3.47 us.
 constexpr int32_t kCandidateBuckets[] = {2, 4, 9, 12, 16};
 constexpr int kNumCandidateBuckets = 5;
+// The smallest bucket that holds n candidates (the per-token kernels' instance; the persistent kernel repeats
+// what the bucket's padding does to the mixture).
+constexpr int32_t candidate_bucket(int64_t n) {
+  for (int32_t b : kCandidateBuckets)
+    if (n <= b) return b;
+  return kCandidateBuckets[kNumCandidateBuckets - 1];
+}
 
 // single_cta keeps a token's N rows in one block's registers, one 16-byte vector per thread and row:
 // 1024 threads (the block limit) x 8 elements bounds H to 8192, and the 64-register cap of a 1024-thread
@@ -52,16 +59,28 @@ inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden
   return false;
 }
 
-// split_k cluster size: enough blocks that each owns at most 128 vectors (1024 elements), capped at the
-// portable 8. A function of H only, never of T: a token's result must not depend on how many tokens share
-// the call (the cluster size sets the reduction order). Measured at H = 7168 (7 blocks): 3.66 us at T = 1,
-// N = 9 (8 blocks: 3.59 us) and 5.37 us at T = 32 (8 blocks: 5.76 us).
-inline int32_t split_k_cluster(int64_t hidden) {
+// split_k cluster size: enough blocks that each owns at most kSplitKBlockVectors vectors (1024 elements),
+// capped at the portable 8. A function of H only, never of T: a token's result must not depend on how many
+// tokens share the call. It fixes the reduction order of every kernel (see split_k_chunk). Measured at H = 7168
+// (7 blocks): 3.66 us at T = 1, N = 9 (8 blocks: 3.59 us) and 5.37 us at T = 32 (8 blocks: 5.76 us).
+constexpr int64_t kSplitKBlockVectors = 128;
+constexpr int32_t split_k_cluster(int64_t hidden) {
   const int64_t vecs = hidden / 8;
-  int64_t c = (vecs + 127) / 128;
+  int64_t c = (vecs + kSplitKBlockVectors - 1) / kSplitKBlockVectors;
   if (c < 1) c = 1;
   if (c > kMaxCluster) c = kMaxCluster;
   return static_cast<int32_t>(c);
 }
+
+// The reference reduction order, which every CUDA kernel reproduces so that output and mixture bits do not
+// depend on the kernel: the row's H / 8 vectors are cut into split_k_cluster(H) rank chunks of split_k_chunk(H)
+// vectors (the last may be shorter or empty); a sum over H is, per vector, an fma chain over its 8 elements,
+// then per 32-vector warp of a chunk a butterfly over the lanes (xor 16, 8, 4, 2, 1; lanes past the chunk or
+// the row add +0), then the chunk's warps in order from +0, then the chunks in order from +0.
+constexpr int32_t split_k_chunk(int64_t hidden) {
+  const int64_t vecs = hidden / 8, c = split_k_cluster(hidden);
+  return static_cast<int32_t>((vecs + c - 1) / c);
+}
+constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
 }  // namespace attnres::tuning

@@ -387,6 +387,25 @@ TEST(GpuSplitK, OneBlockClusterGivesSingleCtaBits) {
   }
 }
 
+// single_cta lays split_k's rank chunks out inside its block (plan.cpp one_block_threads), so every output is
+// split_k's bit for bit, also where split_k runs a cluster of several blocks: whole 128-vector chunks (2048,
+// 8192), short last chunks and partial warps (7176: 8 chunks of 113, 4104: 5 of 103, 1032: 2 of 65), the tap,
+// the fp32 diagnostics and the snapshot row included.
+TEST(GpuSingleCta, GivesSplitKBitsAtEveryChunking) {
+  REQUIRE_HOPPER();
+  for (const Config& base : {make(A, 7, 3, 7176, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; c.bank_rows = 4; }),
+                             make(A, 5, 1, 8192, [](Config& c) { c.tap = true; }), make(N, 3, 2, 4104),
+                             make(R, 9, 3, 2048), make(R, 4, 0, 1032), make(N, 2, 3, 7168, [](Config& c) { c.tap = true; })}) {
+    Config cfg = base;
+    cfg.seed = test_seed(static_cast<uint64_t>(cfg.H));
+    const Case before(cfg);
+    const Case split = run_gpu(before, forced(KernelKind::split_k));
+    ASSERT_EQ(plan_on_gpu(before, forced(KernelKind::split_k)).cluster, attnres::tuning::split_k_cluster(cfg.H));
+    EXPECT_TRUE(storage_unchanged(split, run_gpu(before, forced(KernelKind::single_cta)))) << "H = " << cfg.H;
+    expect_gpu_matches_cpu(before, split);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kernels, GpuKernel, ::testing::Values(KernelKind::single_cta, KernelKind::split_k),
                          [](const ::testing::TestParamInfo<KernelKind>& info) {
                            return std::string(attnres::kernel_name(info.param));
@@ -431,10 +450,11 @@ TEST_P(GpuPersistentShapes, MatchesCpuAndSplitK) {
   ASSERT_EQ(p.kernel, KernelKind::persistent);
   const Case gpu = run_gpu(before, o);
   expect_gpu_matches_cpu(before, gpu);
-  // The per-token split_k kernel on the same inputs: updated bit for bit, output within the tolerance.
+  // The per-token split_k kernel on the same inputs: updated and output bit for bit (the persistent kernel
+  // reduces in split_k's order).
   if (cfg.op != P) {
     const Case sk = run_gpu(before, forced(KernelKind::split_k));
-    EXPECT_TRUE(bf16_close(gpu.output.values(), sk.output.values(), "output vs split_k"));
+    EXPECT_TRUE(bits_equal(gpu.output.bits(), sk.output.bits(), "output vs split_k"));
     if (before.uses_add()) { EXPECT_TRUE(bits_equal(gpu.updated.bits(), sk.updated.bits(), "updated vs split_k")); }
   }
   // Run to run, and with PDL off: the same bits.

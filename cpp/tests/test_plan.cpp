@@ -221,6 +221,34 @@ TEST(PlanCuda, SingleCtaDeclinesBeyondOneBlock) {
   EXPECT_LE(max_n, 16);
 }
 
+// A one-block launch (single_cta; split_k at a cluster of one) lays split_k's rank chunks out one per 128
+// threads, so it reduces in split_k's order: split_k_cluster(H) - 1 full 128-thread chunks and the last chunk
+// in whole warps. The layout needs every chunk to fit 128 threads.
+TEST(PlanCuda, OneBlockLaunchesLayOutSplitKChunks) {
+  Options single;
+  single.kernel = KernelKind::single_cta;
+  Options one;
+  one.kernel = KernelKind::split_k;
+  one.cluster = 1;
+  for (int64_t H = 8; H <= 8192; H += 8) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    const int32_t chunks = tuning::split_k_cluster(H), chunk = tuning::split_k_chunk(H);
+    ASSERT_LE(chunk, tuning::kSplitKBlockVectors);
+    const int32_t threads = (chunks - 1) * 128 + (chunk + 31) / 32 * 32;
+    const Plan p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 3, 4, H), h200(), single);
+    ASSERT_TRUE(p.accepted()) << p.decline;
+    EXPECT_EQ(p.cluster, 1);
+    EXPECT_EQ(p.threads, threads);
+    const Plan q = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 3, 9, H), h200(), one);
+    EXPECT_EQ(q.accepted(), threads <= 256) << q.decline;
+    if (q.accepted()) { EXPECT_EQ(q.threads, threads); }
+  }
+  // H = 2048: two chunks of 128 vectors take 256 threads; H = 7176: eight chunks of 113 take 1024.
+  EXPECT_EQ(tuning::split_k_chunk(2048), 128);
+  EXPECT_EQ(attnres::plan(query(AttnResOp::attn_res_rmsnorm, 1, 9, 2048), h200(), one).threads, 256);
+  EXPECT_EQ(attnres::plan(query(AttnResOp::attn_res_rmsnorm, 1, 2, 7176), h200(), single).threads, 1024);
+}
+
 TEST(PlanTuning, BucketsAscendAndCoverTheSupportedRange) {
   int32_t previous = 0;
   for (int32_t b : tuning::kCandidateBuckets) {

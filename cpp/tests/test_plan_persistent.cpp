@@ -75,7 +75,8 @@ TEST(PlanPersistent, EveryShapeIsServedWithAConsistentGeometry) {
           EXPECT_LE(consumers, layout::kMaxConsumerWarps * 32);
           EXPECT_TRUE(p.vectors == 1 || p.vectors == 2 || p.vectors == 4 || p.vectors == 8) << p.vectors;
           EXPECT_GE(int64_t{consumers} * p.vectors * 8, H) << "the consumers cover the row";
-          EXPECT_LT(int64_t{consumers - 32} * p.vectors * 8, H) << "no consumer warp without a vector";
+          EXPECT_EQ(consumers, layout::consumer_threads(H));
+          EXPECT_EQ(p.vectors, layout::vectors_per_thread(H));
           EXPECT_EQ(p.max_candidates, 16);
           EXPECT_GE(p.slots, tuning::kPersistentMinSlots);
           EXPECT_LE(p.slots, layout::kMaxSlots);
@@ -96,11 +97,13 @@ TEST(PlanPersistent, FastPathGeometry) {
     int64_t H;
     int32_t vectors, threads, slots;
   };
-  // threads = consumer warps covering H / 8 vectors at `vectors` each, + the producer warp; slots = the most
-  // 2H-byte (128-aligned) slots that fit 227 KB after the 1088-byte header, 16 bytes of mbarriers per slot
-  // and, for H > 8192, the norm weight.
-  for (const Pin& pin : {Pin{7168, 4, 256, 16}, Pin{2304, 2, 192, 50}, Pin{4096, 2, 288, 28}, Pin{8192, 4, 288, 14},
-                         Pin{16384, 8, 288, 6}, Pin{2056, 2, 192, 54}, Pin{8, 1, 64, 64}}) {
+  // threads = one consumer warp per split_k rank chunk (each holding its chunk's 3-8 warps as vectors), or
+  // one per split_k warp when those fit 8 warps (H <= 2048), + the producer warp; slots = the most 2H-byte
+  // (128-aligned) slots that fit 227 KB after the 1088-byte header, 16 bytes of mbarriers per slot and, for
+  // H > 8192, the norm weight.
+  for (const Pin& pin : {Pin{7168, 4, 256, 16}, Pin{2304, 4, 128, 50}, Pin{4096, 4, 160, 28}, Pin{8192, 4, 288, 14},
+                         Pin{16384, 8, 288, 6}, Pin{2056, 4, 128, 54}, Pin{2048, 1, 288, 56}, Pin{1024, 1, 160, 64},
+                         Pin{8, 1, 64, 64}}) {
     SCOPED_TRACE("H=" + std::to_string(pin.H));
     const Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, pin.H, true), h200(),
                                  Options{});
@@ -109,7 +112,7 @@ TEST(PlanPersistent, FastPathGeometry) {
     EXPECT_EQ(p.threads, pin.threads);
     EXPECT_EQ(p.slots, pin.slots);
   }
-  // P5's shape (T >= 4096, N = 9, add, H = 7168): one pass, 10 rows per token in a 16-slot ring.
+  // The bandwidth target's shape (T >= 4096, N = 9, add, H = 7168; docs/performance.md): one pass, 10 rows per token in a 16-slot ring.
   Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), h200(), Options{});
   EXPECT_EQ(p.passes, 1);
   EXPECT_EQ(p.smem_bytes, 1408 + 16 * 14336);
@@ -225,6 +228,44 @@ TEST(PlanPersistent, DeclinesBeforeTheDeviceAndDeviceRulesAfter) {
   EXPECT_EQ(attnres::plan(q, no_backend, persistent_topology()).decline, "attnres was built without the CUDA backend");
   q.tokens = (int64_t{1} << 26) + 1;
   EXPECT_TRUE(contains(attnres::plan(q, h200(), persistent_topology()).decline, "exceeds the per-launch limit"));
+}
+
+// The consumers own split_k's vectors lane for lane (owned_vector): consumer warp w's vector j, lane l is lane l
+// of split_k warp (w % warps_per_chunk) * V + j of rank chunk w / warps_per_chunk, every vector of the row is
+// owned exactly once, and a chunk's warps are held by consecutive consumer warps in order, so the butterfly
+// per j, the in-order sum over j and the chunked sum over consumer warps are split_k's reduction tree.
+TEST(PlanPersistent, ConsumersOwnSplitKVectorsLaneForLane) {
+  for (int64_t H = 8; H <= attnres::kMaxHidden; H += 8) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    const int32_t vecs = static_cast<int32_t>(H / 8), chunks = tuning::split_k_cluster(H),
+                  chunk = tuning::split_k_chunk(H), chunk_warps = tuning::split_k_chunk_warps(H);
+    const int32_t V = layout::vectors_per_thread(H), G = layout::warps_per_chunk(H),
+                  warps = layout::consumer_threads(H) / 32;
+    ASSERT_EQ(layout::consumer_threads(H) % 32, 0);
+    ASSERT_LE(warps, layout::kMaxConsumerWarps);
+    ASSERT_EQ(warps, chunks * G);
+    ASSERT_TRUE(V == 1 || V == 2 || V == 4 || V == 8);
+    ASSERT_GE(G * V, chunk_warps) << "each chunk's warps are all held";
+    ASSERT_TRUE(G == 1 || V == 1);
+    // split_k's own geometry for H (plan.cpp): chunk vectors per block, blocks of whole warps.
+    const Plan sk = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 1, 9, H, false), h200(), Options{});
+    ASSERT_TRUE(sk.accepted()) << sk.decline;
+    ASSERT_EQ(sk.kernel, KernelKind::split_k);
+    ASSERT_EQ(sk.cluster, chunks);
+    if (chunks > 1) { ASSERT_EQ(sk.threads, chunk_warps * 32); }
+    std::vector<int> owner(vecs, 0);
+    for (int32_t w = 0; w < warps; ++w)
+      for (int32_t j = 0; j < V; ++j)
+        for (int32_t lane = 0; lane < 32; ++lane) {
+          const int32_t v = layout::owned_vector(w, lane, j, V, G, chunk, vecs);
+          const int32_t rank = w / G, split_warp = (w % G) * V + j, split_tid = split_warp * 32 + lane;
+          // split_k: block `rank`, thread split_tid owns rank * chunk + split_tid when it is < chunk and in the row.
+          const int32_t expected = split_tid < chunk && rank * chunk + split_tid < vecs ? rank * chunk + split_tid : -1;
+          ASSERT_EQ(v, expected) << "w=" << w << " j=" << j << " lane=" << lane;
+          if (v >= 0) ++owner[v];
+        }
+    for (int32_t v = 0; v < vecs; ++v) ASSERT_EQ(owner[v], 1) << "vector " << v;
+  }
 }
 
 TEST(PlanPersistent, LayoutArithmetic) {

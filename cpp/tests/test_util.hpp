@@ -1,6 +1,6 @@
 // Shared helpers of the GoogleTest suites: host bf16 conversions (independent of the library's own), a
 // random problem generator with strided and token-major layouts, a float64 oracle of the contract
-// (shared/spec/ops.md), the contract's accuracy metrics, and storage snapshots for "nothing was written".
+// (docs/ops/common.md), the contract's accuracy metrics, and storage snapshots for "nothing was written".
 //
 // The tests use only the public API (attnres/attnres.hpp): the library's internal bf16 helpers are what is
 // under test, so this file has its own.

@@ -1,4 +1,4 @@
-"""The test oracle: a float64 evaluation of the contract's formulas (shared/spec/ops.md) with its rounding
+"""The test oracle: a float64 evaluation of the contract's formulas (docs/ops/common.md) with its rounding
 boundaries emulated — the prefix update in bf16 exactly as PyTorch adds bf16 tensors, the mixture rounded
 to bf16 once, the trailing norm's two roundings. Slow and simple on purpose; never used by the library.
 

@@ -1,4 +1,4 @@
-// The attention-residual ops (docs/ops/*.md, the contract in shared/spec/ops.md).
+// The attention-residual ops (the shared contract: docs/ops/common.md; each op: docs/ops/<op>.md).
 //
 //   attn_res                         mixture + fp32 rsigma/probs/logits
 //   attn_res_rmsnorm                 output = RMSNorm(mixture), optional pre-norm tap

@@ -1,4 +1,4 @@
-// The MoE finalize epilogue (docs/ops/moe_finalize.md; shared/spec/moe_finalize.md): the consumer side of a
+// The MoE finalize epilogue (the contract: docs/ops/moe_finalize.md): the consumer side of a
 // deferred finalize. A MoE runner called with do_finalize=False hands over its expert output rows in permuted
 // order, the per-route weights and the route -> row map; this op combines them per token, adds the shared
 // expert's output and applies the latent RMSNorm, in one pass.

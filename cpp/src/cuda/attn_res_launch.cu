@@ -88,7 +88,9 @@ PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
   p.tokens = static_cast<int32_t>(a.layer_residual.shape[0]);
   p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
   p.vectors = static_cast<int32_t>(H / 8);
-  p.chunk = (p.vectors + plan.cluster - 1) / plan.cluster;
+  // A cluster: each block's share. One block (single_cta, split_k at a cluster of one): split_k's chunk, laid out
+  // once per kChunkThreads threads, so the block reduces in split_k's order (plan.cpp one_block_threads).
+  p.chunk = plan.cluster > 1 ? (p.vectors + plan.cluster - 1) / plan.cluster : tuning::split_k_chunk(H);
   p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
   p.rms_eps = static_cast<float>(a.rms_eps);
   p.norm_eps = static_cast<float>(a.norm_eps);

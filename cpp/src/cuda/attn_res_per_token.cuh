@@ -12,10 +12,25 @@
 //     the reduction and mixing code is shared, which makes the add2 fold bitwise invisible.
 //   * Fixed reduction orders everywhere (butterfly in the warp, warps in order, cluster ranks in order), no
 //     atomics: identical bits run to run, and a token's result does not depend on T or its position.
+//   * One order for every kernel (plan_tuning.hpp split_k_chunk): split_k's, a function of H alone. A one-block
+//     launch (single_cta, or split_k at a cluster of one) lays split_k's rank chunks out inside the block, one
+//     chunk per kChunkThreads threads, and sums its warps chunk by chunk (chunked_sum), so its bits are
+//     split_k's; the persistent kernel reproduces the same order (attn_res_persistent.cuh).
 //   * split_k exchanges partial sums by pushing them into every peer's shared memory (st.async completing
 //     on the peer's mbarrier): each block waits on its own mbarrier, never on a cluster-wide barrier.
-//   * Dependents are released (griddepcontrol.launch_dependents) after a block-wide barrier that follows
-//     the block's last store.
+//   * PDL release: dependents are released (griddepcontrol.launch_dependents) right after the block's
+//     griddepcontrol.wait, not after its last store. Why that is safe (docs/ops/pdl.md has the long form):
+//     launch_dependents gives a dependent no memory visibility, whatever its position: a dependent's
+//     post-wait reads are ordered by its own wait (which waits for this grid's completion and flush), and
+//     its pre-wait reads may only touch data that this grid does not write (the bank rows 0..K-2 and the
+//     weights: the contract). What the position does decide is which EARLIER grids have completed when a
+//     dependent's pre-wait section starts: the dependent can start only once every block of this grid has
+//     released, and a block releases only after its wait returned, i.e. after this grid's predecessor
+//     completed. So every grid two or more launches before a kernel has completed (and its writes are
+//     visible) before that kernel's pre-wait loads run, by induction along the chain. A release at kernel
+//     entry would break exactly this: the pre-wait loads of a kernel could then overlap a kernel two launches
+//     earlier that is still writing the rows they read (tests/test_pdl_release.py; tools/pdl_teeth.sh runs
+//     it against an entry-release build to show that it catches that).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -26,12 +41,16 @@
 #include "cuda/attn_res_params.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/fp8_epilogue.cuh"
+#include "plan_tuning.hpp"
 
 namespace attnres::detail {
 
 constexpr int kMaxClusterRanks = 8;  // the portable cluster limit (plan_tuning.hpp kMaxCluster)
 constexpr int kSingleCtaMaxThreads = 1024;
 constexpr int kSplitKMaxThreads = 256;
+// A one-block launch gives each of split_k's rank chunks (<= 128 vectors: plan_tuning.hpp) this many threads.
+constexpr int kChunkThreads = static_cast<int>(tuning::kSplitKBlockVectors);
+constexpr int kChunkWarps = kChunkThreads / 32;
 
 // sum_{i < count} base[i * stride] in index order (warps of a block, or ranks of a cluster); the loads are
 // issued together (unrolled to MAX, clamped index, masked add: adding +0 to a sum that started at +0 changes
@@ -44,6 +63,26 @@ __device__ __forceinline__ float ordered_sum(const float* base, int stride, int 
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < MAX; ++i) s += i < count ? v[i] : 0.0f;
+  return s;
+}
+
+// split_k's two-level order inside one block: the warps of each kChunkWarps-warp chunk in order from +0, then the
+// chunks in order from +0 (what a cluster of one block per chunk computes with ordered_sum twice). Past `count`
+// every term is +0, which changes no sum that started at +0. Shorter than ordered_sum's one chain of MAX adds.
+template <int MAX>
+__device__ __forceinline__ float chunked_sum(const float* base, int stride, int count) {
+  static_assert(MAX % kChunkWarps == 0, "whole chunks");
+  float v[MAX];
+#pragma unroll
+  for (int i = 0; i < MAX; ++i) v[i] = base[(i < count ? i : 0) * stride];
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < MAX / kChunkWarps; ++c) {
+    float chunk = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kChunkWarps; ++k) chunk += c * kChunkWarps + k < count ? v[c * kChunkWarps + k] : 0.0f;
+    s += chunk;
+  }
   return s;
 }
 
@@ -82,10 +121,13 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
       amax = block;
     }
   } else {
-    // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads).
-    thread_amax[tid] = mine;
+    // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads), indexed by
+    // vector: a one-block launch lays its threads out by split_k's rank chunks (kChunkThreads threads per
+    // chunk of p.chunk vectors), so a thread's index is not its vector's, and the block owns every vector.
+    const int first = CLUSTER ? rank * p.chunk : 0;
+    const int end = CLUSTER ? min(first + p.chunk, p.vectors) : p.vectors;  // this block's vectors
+    if (valid) thread_amax[vec - first] = mine;
     __syncthreads();
-    const int first = rank * p.chunk, end = min(first + p.chunk, p.vectors);  // this block's vectors
     const int g = vec >> 4;
     const int lo = max(g * 16, first), hi = min(g * 16 + 16, end);
     amax = 0;
@@ -179,8 +221,10 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
   const int K = p.snapshots, N = K + 1;
-  const int vec = rank * p.chunk + tid;
-  const bool valid = tid < p.chunk && vec < p.vectors;
+  // split_k: vector rank * chunk + tid. One block: chunk tid / kChunkThreads, kChunkThreads threads each.
+  const int chunk_tid = CLUSTER ? tid : tid % kChunkThreads;
+  const int vec = (CLUSTER ? rank : tid / kChunkThreads) * p.chunk + chunk_tid;
+  const bool valid = chunk_tid < p.chunk && vec < p.vectors;
   const int64_t col = static_cast<int64_t>(vec) * 8;
   const __nv_bfloat16* bank_row0 = p.bank + token * p.bank_token_stride + col;
 
@@ -194,6 +238,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
   grid_dependency_wait();
+  // Release dependents here, not after the last store: see "PDL release" in the header comment.
+  launch_dependents();
 
   // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
   // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
@@ -271,8 +317,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   if constexpr (CLUSTER) cluster_wait();  // every peer's mbarriers are initialised (pairs with the arrive)
   // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
   // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
-  // 2026-11-30). The bits are the same: the rank-ordered sum of one value is 0 + v = v (v is never -0, it is
-  // itself a sum that started at +0). A compile-time choice, not a runtime `ranks > 1` test: with both paths in
+  // 2026-11-30). The bits are the same: chunked_sum adds its chunks' sums to +0 exactly as the cluster's
+  // rank-ordered sum does. A compile-time choice, not a runtime `ranks > 1` test: with both paths in
   // every cluster instance (f1f44fe) the exchanges' SASS grew by 60-80 instructions and 3-5 branches.
   constexpr bool exchange = CLUSTER;
   if constexpr (exchange) {
@@ -283,7 +329,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
     if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
   } else {
-    if (tid < 2 * N) totals[tid] = ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
+    if (tid < 2 * N) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
   if constexpr (!kAdd) {
@@ -378,7 +424,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
       mbarrier_wait_parity(shared_address(&bars[1]), 0);
       total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
     } else {
-      if (tid == 0) block_sq = ordered_sum<kMaxWarps>(warp_sq, 1, warps);
+      if (tid == 0) block_sq = chunked_sum<kMaxWarps>(warp_sq, 1, warps);
       __syncthreads();
       total = block_sq;
     }
@@ -396,11 +442,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
                                                               warps, fp8_warp_amax, fp8_thread_amax, fp8_recv, &fp8_bar);
   }
 
-  // ---- release dependents after every store of the block ----
-  // (No cluster barrier before exit: every push into this block's shared memory completed before its
-  // mbarrier waits returned, and it pushes nothing after them.)
-  __syncthreads();
-  launch_dependents();
+  // No cluster barrier before exit: every push into this block's shared memory completed before its
+  // mbarrier waits returned, and it pushes nothing after them.
 }
 
 }  // namespace attnres::detail

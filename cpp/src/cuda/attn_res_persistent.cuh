@@ -9,10 +9,10 @@
 // consumer warp); a slot's full mbarrier completes when its bytes have landed.
 //
 // Per token the consumers
-//   1. score every row as it arrives (per thread: sum of squares and dot with q over its own elements, a
-//      butterfly sum in the warp, the warp's pair to shared memory); the prefix row and the addend form
+//   1. score every row as it arrives (per vector: sum of squares and dot with q over its 8 elements, a
+//      butterfly per split_k warp, the warp's pair to shared memory); the prefix row and the addend form
 //      P = bf16(prefix + add) first (add.rn.f32, no flush: ops.md step 1) and `updated` is stored;
-//   2. after one consumer barrier, every warp sums the per-warp pairs in warp order and computes the same
+//   2. after one consumer barrier, every warp sums the per-warp pairs in split_k's order and computes the same
 //      softmax (lane n: candidate n), so the N probabilities need no second barrier;
 //   3. mix row by row, n = 0..K-1 then P (recomputed from the prefix and addend slots: the same bits), as an
 //      fma chain per element in that order, releasing each slot after its row; round the mixture to bf16
@@ -20,8 +20,15 @@
 //   4. trailing norm in Kimi's two-rounding order (ops.md step 7): the mixture's sum of squares through a
 //      second consumer barrier, then output = bf16(bf16(mixture * r) * norm_weight).
 // The formulas are the per-token kernels' (attn_res_per_token.cuh): rsqrtf(fmaf(ss, 1/H, eps)), __expf of
-// the max-subtracted logit, probabilities times 1/denominator, the N = 1 probability forced to 1, the same
-// rounding boundaries. Only summation orders differ (allowed between kernels, ops.md).
+// the max-subtracted logit, the denominator summed over n in order from +0, probabilities times 1/denominator,
+// the N = 1 probability forced to 1, the mixture's fma chain over n in order, the same rounding boundaries.
+//
+// Bitwise split_k's: every sum over H runs in split_k's order (plan_tuning.hpp split_k_chunk;
+// persistent_layout.hpp assigns the vectors): per vector an fma chain over its 8 elements; per split_k warp a
+// butterfly over its 32 lanes (warp_reduce_scatter: the xor-16..1 tree of warp_sum); per rank chunk its warps
+// in order from +0 (in registers when one consumer warp holds the chunk, else in step 2 / 4); the chunks in
+// order from +0. split_k mixes its whole N bucket (plan_tuning.hpp candidate_bucket), the rows past N as
+// fma(0, 0, acc) = acc + 0, which turns a -0 mixture element into +0; `mix_pad` repeats that once.
 //
 // Two modes, chosen by the plan from (N, H, shared memory) only and giving identical bits:
 //   * one pass (passes = 1): a token's N (+1) rows stay in their slots from scoring to mixing; the ring has at
@@ -38,8 +45,11 @@
 // the norm weight into thread-private shared memory) and the producer may issue copies of the first token's
 // bank rows 0..K-2 (written two or more calls ago) into slots never used yet; it executes the wait before the
 // first copy of a newest bank row K-1, a prefix or an addend, and every consumer waits before it reads a row
-// or stores anything. Dependents are released (griddepcontrol.launch_dependents) after a block-wide
-// barrier that follows every store of the block.
+// or stores anything. Each thread releases dependents (griddepcontrol.launch_dependents) right after its own
+// wait: the first release of a block counts, and whichever thread issues it has passed a wait, so this
+// grid's predecessor has completed. A dependent's pre-wait section therefore starts only once every kernel
+// two or more launches back has completed, which is what the bank rows 0..K-2 read before the wait rely on
+// (attn_res_per_token.cuh, "PDL release"; docs/ops/pdl.md).
 //
 // Proxy ordering: ring slots are written only by the copy engine (async proxy) and only read by the
 // consumers (generic loads, released through the empty mbarrier's arrive/wait). No generic store ever writes
@@ -72,6 +82,10 @@ struct PersistentParams {
   int32_t snapshots;  // K (N = K + 1)
   int32_t vectors;    // H / 8
   int32_t consumers;  // consumer threads (a multiple of 32, <= 256)
+  int32_t chunks;     // split_k's rank chunks (tuning::split_k_cluster)
+  int32_t chunk;      // vectors per chunk (tuning::split_k_chunk)
+  int32_t warps_per_chunk;  // consumer warps per chunk (persistent::warps_per_chunk)
+  int32_t mix_pad;    // 1 when split_k's N bucket is larger than N (one acc + 0 after the mixture)
   int32_t slots;      // ring depth
   int32_t passes;     // 1 or 2
   uint32_t row_bytes;   // 2H
@@ -173,6 +187,7 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
         // for the dependency (and the watchdog below counts on no wait depending on it).
         if (!waited && (r >= K - 1 || issued == p.slots)) {
           grid_dependency_wait();
+          launch_dependents();  // after the wait: see "PDL" in the header comment
           waited = true;
         }
         ++issued;
@@ -187,7 +202,10 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
       }
     }
   }
-  if (!waited) grid_dependency_wait();
+  if (!waited) {
+    grid_dependency_wait();
+    launch_dependents();
+  }
 }
 
 // P for this thread's vector: the prefix, or bf16(prefix + add) through a non-flushing fp32 add.
@@ -223,23 +241,45 @@ __device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], floa
   }
 }
 
-// A row's (sum of squares, dot) of this warp: the thread's V chains summed in j order, then the warp's
-// butterfly sum; lane 0 stores the pair at row_partials[warp] (summed over warps in warp order later).
+// The sum over j of the warp sums of v[j] (j = 0..V-1), as split_k sums a chunk's warps: each v[j] a butterfly
+// over the lanes (warp_reduce_scatter: lane l ends with value l / (32 / M)), then added in j order from +0.
+// Returned on lanes 0 (value group 0) and 1 (group 1) when G = 2 groups of V values are interleaved as
+// v[G * j + group]; every lane returns the group lane % G.
+template <int G, int V>
+__device__ __forceinline__ float chunk_warps_sum(const float (&v)[G * V], int lane) {
+  constexpr int M = G * V, kLanes = 32 / M;  // lanes per value after the reduce-scatter
+  const float h = warp_reduce_scatter<M>(v, lane);
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) s += __shfl_sync(0xffffffffu, h, (G * j + lane % G) * kLanes);
+  return s;
+}
+
+// A row's (sum of squares, dot) of this consumer warp's chunk warps, summed in order; lane 0 stores the sum of
+// squares, lane 1 the dot at row_partials[warp] (step 2 adds the consumer warps up in split_k's order).
 template <int V>
 __device__ __forceinline__ void store_warp_partials(const float (&ssj)[V], const float (&dotj)[V], float* row_partials,
                                                     int warp, int lane) {
-  float ss = ssj[0], dot = dotj[0];
+  float v[2 * V];
 #pragma unroll
-  for (int j = 1; j < V; ++j) {
-    ss += ssj[j];
-    dot += dotj[j];
+  for (int j = 0; j < V; ++j) {
+    v[2 * j] = ssj[j];
+    v[2 * j + 1] = dotj[j];
   }
-  ss = warp_sum(ss);
-  dot = warp_sum(dot);
-  if (lane == 0) {
-    row_partials[warp * 2] = ss;
-    row_partials[warp * 2 + 1] = dot;
+  const float s = chunk_warps_sum<2, V>(v, lane);
+  if (lane < 2) row_partials[warp * 2 + lane] = s;
+}
+
+// sum over the consumer warps' values base[w * stride] in split_k's order: each chunk's warps_per_chunk values
+// in order from +0, then the chunks in order from +0.
+__device__ __forceinline__ float chunked_sum(const float* base, int stride, int chunks, int warps_per_chunk) {
+  float s = 0.0f;
+  for (int c = 0; c < chunks; ++c) {
+    float part = 0.0f;
+    for (int k = 0; k < warps_per_chunk; ++k) part += base[(c * warps_per_chunk + k) * stride];
+    s += part;
   }
+  return s;
 }
 
 // V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`); FP8: the e4m3
@@ -256,6 +296,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
   const unsigned char* const ring_ptr = smem + p.ring_offset;
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int G = p.warps_per_chunk;
   const int C = p.consumers, consumer_warps = C >> 5;
   const int K = p.snapshots, N = K + 1;
   const uint32_t S = static_cast<uint32_t>(p.slots);
@@ -277,17 +318,20 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
     produce_rows(p, ADD, full0, empty0, ring, lane);
   } else if (warp < consumer_warps) {
     // ---- once per block, before the grid dependency: q = rms_weight * res_weight (fp32, never rounded) and
-    // the norm weight, for this thread's vectors v = tid + j * C ----
-    // Vector j of this thread: index tid + j * C, byte offset in a row `offset(j)`, present when `valid(j)`
-    // (recomputed rather than kept: registers are the scarce resource of the V = 8 instance).
-    const auto valid = [&](int j) { return tid + j * C < p.vectors; };
-    const auto offset = [&](int j) { return static_cast<uint32_t>(tid + j * C) * 16u; };
+    // the norm weight, for this thread's vectors (below) ----
+    // Vector j of this thread (persistent_layout.hpp owned_vector): index first + 32 j, byte offset in a row
+    // `offset(j)`, present when `valid(j)` (recomputed rather than kept: registers are the scarce resource of
+    // the V = 8 instance).
+    const int in_chunk = persistent::position_in_chunk(warp, lane, 0, V, G);
+    const int first = persistent::chunk_of_warp(warp, G) * p.chunk + in_chunk;
+    const auto valid = [&](int j) { return in_chunk + 32 * j < p.chunk && first + 32 * j < p.vectors; };
+    const auto offset = [&](int j) { return static_cast<uint32_t>(first + 32 * j) * 16u; };
     float q[V][8];
     uint4 norm_w[kNormInRegisters ? V : 1];
     unsigned char* const norm_smem = smem + persistent::norm_weight_offset(S);  // V = 8: thread-private
 #pragma unroll
     for (int j = 0; j < V; ++j) {
-      const int64_t col = valid(j) ? static_cast<int64_t>(tid + j * C) * 8 : 0;
+      const int64_t col = valid(j) ? static_cast<int64_t>(first + 32 * j) * 8 : 0;
       const uint4 res = load16_if(p.res_weight + col, valid(j));
       const uint4 rms = load16_if(p.rms_weight + col, valid(j));
       const uint4 nw = load16_if(p.norm_weight + col, valid(j));
@@ -304,6 +348,7 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       for (int e = 0; e < 8; ++e) q[j][e] = b[e] * a[e];
     }
     grid_dependency_wait();
+    launch_dependents();  // after the wait: see "PDL" in the header comment
 
     RingCursor cur;
     for (int t = blockIdx.x; t < p.tokens; t += gridDim.x) {
@@ -363,18 +408,17 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       {
         float ss = 1.0f, dot = 0.0f;
         if (lane < N) {
-          ss = 0.0f;
-          for (int w = 0; w < consumer_warps; ++w) {  // warps in order: a fixed sum
-            ss += partials[(lane * persistent::kMaxConsumerWarps + w) * 2];
-            dot += partials[(lane * persistent::kMaxConsumerWarps + w) * 2 + 1];
-          }
+          const float* mine = partials + lane * persistent::kMaxConsumerWarps * 2;
+          ss = chunked_sum(mine, 2, p.chunks, G);
+          dot = chunked_sum(mine + 1, 2, p.chunks, G);
         }
         const float rsigma = rsqrtf(fmaf(ss, p.inv_hidden, p.rms_eps));
         const float logit = lane < N ? rsigma * dot : -INFINITY;
         const float max_logit = warp_max(logit);
         // Past N the probability is 0 by selection, not by exp(-inf - max) (NaN when no logit is finite).
         const float e = lane < N ? __expf(logit - max_logit) : 0.0f;
-        const float denom = warp_sum(e);
+        float denom = 0.0f;  // over n in order from +0, as the per-token kernels sum it
+        for (int n = 0; n < N; ++n) denom += __shfl_sync(0xffffffffu, e, n);
         // Selected again after the normalisation: lanes past N stay 0 even when the denominator is NaN.
         prob = lane < N ? e * (1.0f / denom) : 0.0f;
         // N = 1: the mixture is P itself (ops.md step 6), also when its logit is not finite.
@@ -432,23 +476,29 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
         }
       }
       if (two_pass) cur = mix;
+      if (p.mix_pad) {
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[j][e] += 0.0f;  // split_k's fma(0, 0, acc) for its rows past N
+      }
 
       // ---- 4. trailing RMSNorm, two roundings ----
       uint4 mixed[V];
-      float sq = 0.0f;
+      float sqj[V];
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         mixed[j] = pack8(acc[j]);  // the mixture's one rounding to bf16
         float m[8];
         unpack8(mixed[j], m);
+        sqj[j] = 0.0f;
 #pragma unroll
-        for (int e = 0; e < 8; ++e) sq = fmaf(m[e], m[e], sq);  // invalid vectors: +0 (acc stayed 0)
+        for (int e = 0; e < 8; ++e) sqj[j] = fmaf(m[e], m[e], sqj[j]);  // invalid vectors: +0 (acc stayed 0)
       }
-      sq = warp_sum(sq);
+      const float sq = chunk_warps_sum<1, V>(sqj, lane);
       if (lane == 0) mix_squares[warp] = sq;
       consumer_barrier(C);
-      float total = 0.0f;
-      for (int w = 0; w < consumer_warps; ++w) total += mix_squares[w];
+      const float total = chunked_sum(mix_squares, 1, p.chunks, G);
       const float r = rsqrtf(fmaf(total, p.inv_hidden, p.norm_eps));
 #pragma unroll
       for (int j = 0; j < V; ++j) {
@@ -466,8 +516,12 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       }
 
       // ---- 5. FP8: the output's groups (per_token: the token, across the consumer warps; block128: 16
-      // vectors with the same j on 16 aligned lanes), then codes and scales. The output vectors are recomputed
-      // from the mixture (the same instructions, the same bits) rather than kept in registers. ----
+      // consecutive vectors), then codes and scales. The output vectors are recomputed from the mixture (the
+      // same instructions, the same bits) rather than kept in registers. For a fixed j the 32 lanes of a warp
+      // own 32 consecutive vectors (persistent_layout.hpp owned_vector; vector offset(j) / 16), so when the chunk is a
+      // multiple of 16 vectors each 128-column group lies on 16 aligned lanes of one warp (a butterfly); other
+      // chunks (H with H / 8 not a multiple of 16 per chunk) let a group straddle two chunks, hence two warps:
+      // those reduce through shared memory. Every reduction is a max of bit patterns: order-independent. ----
       if constexpr (FP8 != Fp8Mode::none) {
         const auto output_vector = [&](int j) {
           float m[8], w[8], o[8];
@@ -494,15 +548,28 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
           for (int w = 0; w < consumer_warps; ++w) token_amax = max(token_amax, warp_amax[w]);
 #pragma unroll
           for (int j = 0; j < V; ++j) amax[j] = token_amax;
-        } else {
+        } else if (p.chunk % 16 == 0) {
 #pragma unroll
           for (int j = 0; j < V; ++j) amax[j] = half_warp_max_u32(amax_bits8(output_vector(j)));
+        } else {
+          // The partials block is free here: every consumer read its partials (step 2) before step 4's
+          // barrier, and the next token writes them only after the last barrier below. H / 128 <= 128 groups.
+          uint32_t* const group_amax = reinterpret_cast<uint32_t*>(partials);
+          for (int g = tid; g < p.vectors / 16; g += C) group_amax[g] = 0u;
+          consumer_barrier(C);
+#pragma unroll
+          for (int j = 0; j < V; ++j)
+            if (valid(j)) atomicMax(&group_amax[offset(j) / 256], amax_bits8(output_vector(j)));
+          consumer_barrier(C);
+#pragma unroll
+          for (int j = 0; j < V; ++j) amax[j] = valid(j) ? group_amax[offset(j) / 256] : 0u;
+          consumer_barrier(C);
         }
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           if (!valid(j)) continue;
           const float sc = fp8_scale(amax[j], p.fp8_pow2 != 0);
-          const int v = tid + j * C;
+          const int v = static_cast<int>(offset(j) / 16);  // the vector's index
           *reinterpret_cast<uint2*>(p.output_fp8 + t * p.output_fp8_stride + static_cast<int64_t>(v) * 8) =
               fp8_codes8(output_vector(j), sc);
           if constexpr (FP8 == Fp8Mode::per_token) {
@@ -514,10 +581,6 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
       }
     }
   }
-
-  // ---- release dependents after every store of the block ----
-  __syncthreads();
-  launch_dependents();
 }
 
 }  // namespace attnres::detail

@@ -76,7 +76,8 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
   if (kernel == nullptr || a.layer_residual_add2.present() || plan.slots < 1 || plan.passes < 1 ||
       plan.passes > 2 || plan.blocks < 1 || consumers % 32 != 0 || consumers < 32 ||
-      consumers > persistent::kMaxConsumerWarps * 32 || static_cast<int64_t>(consumers) * plan.vectors * 8 < H ||
+      consumers > persistent::kMaxConsumerWarps * 32 || consumers != persistent::consumer_threads(H) ||
+      plan.vectors != persistent::vectors_per_thread(H) ||
       plan.smem_bytes != persistent::smem_bytes(plan.slots, H))
     throw UnsupportedError(std::string(op_name(op)) + ": no persistent kernel instance for the plan (vectors " +
                            std::to_string(plan.vectors) + ", threads " + std::to_string(plan.threads) +
@@ -101,6 +102,11 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
   p.vectors = static_cast<int32_t>(H / 8);
   p.consumers = consumers;
+  p.chunks = tuning::split_k_cluster(H);
+  p.chunk = tuning::split_k_chunk(H);
+  p.warps_per_chunk = persistent::warps_per_chunk(H);
+  // split_k's N bucket (plan_tuning.hpp candidate_bucket): it mixes rows past N when the bucket is larger.
+  p.mix_pad = tuning::candidate_bucket(p.snapshots + 1) > p.snapshots + 1 ? 1 : 0;
   p.slots = plan.slots;
   p.passes = plan.passes;
   p.row_bytes = static_cast<uint32_t>(2 * H);

@@ -13,7 +13,11 @@
 // gets an all-NaN output row instead (docs/ops/moe_finalize.md), and no out-of-bounds row is ever read.
 //
 // PDL: the kernel waits on the grid dependency before its first global read (any input may come from the
-// kernel just before it) and releases dependents after a block barrier that follows its last store.
+// kernel just before it) and releases dependents right after that wait: a dependent may then start its
+// pre-wait section while this kernel runs, but only once this kernel's predecessor has completed, so every
+// kernel two or more launches back is complete before any pre-wait load (attn_res_per_token.cuh, "PDL
+// release"; docs/ops/pdl.md). This kernel reads nothing before its wait and writes nothing a dependent reads
+// before its own wait.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -81,11 +85,6 @@ __device__ __forceinline__ float load_weight<__nv_bfloat16>(const void* weights,
   return __uint_as_float(bits << 16);
 }
 
-__device__ __forceinline__ void release_dependents() {
-  __syncthreads();  // every store of the block precedes the release
-  if (threadIdx.x == 0) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 template <int VPT, int CHUNK, typename W>
 __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const MoeParams p) {
   __shared__ int32_t s_index[kMaxRoutes];
@@ -98,6 +97,7 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
   const int64_t t = blockIdx.x;
 
   asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   // Loads that depend on no route, in flight together with the route map.
   uint4 sh[VPT], nw[VPT];
@@ -134,7 +134,6 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
       const int vec = tid + u * blockDim.x;
       if (vec < p.vectors) reinterpret_cast<uint4*>(out_row)[vec] = nan4;
     }
-    release_dependents();
     return;
   }
 
@@ -225,7 +224,6 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
     const int vec = tid + u * blockDim.x;
     if (vec < p.vectors) reinterpret_cast<uint4*>(out_row)[vec] = x[u];
   }
-  release_dependents();
 }
 
 // Routes loaded per round trip, as in the plan (plan_moe_finalize): 16 slices per thread in flight, fewer at

@@ -28,27 +28,36 @@ def _progress_printer():
     return prog, update
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__)
-    p.add_argument("suite", choices=["decode", "tune", "finalize", "floors", "chain", "persistent", "tp", "guard",
-                                     "all", "plot"],
-                   help="which sweep to run ('all': floors, decode, tune, finalize, chain); 'chain': the "
-                        "93-layer Kimi K3 decode step with the MoE-tail fold on vs off (target P6); 'persistent': the "
-                        "persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
-                        "12}, with and without the addend, with the crossover T and target P5 (about 3 minutes on "
-                        "an H200, run on its own: not part of 'all'; --hidden sets H, default 7168); 'tp': the chain "
-                        "step under tensor parallelism (2 ranks: under torchrun, or spawned), NCCL all-reduce time "
-                        "separated, plus all-reduce and op latencies (docs/tp.md); 'guard': a quick check of key "
-                        "points against --baseline, non-zero exit on a regression; 'plot' draws the PNGs of "
-                        "existing results files (--out, comma-separated) into --plots")
-    p.add_argument("--quick", action="store_true", help="a reduced grid (about a minute)")
+SUITES = {
+    "decode": "the ops against torch eager and torch.compile of the same step, T = 1..32, N = 2..16, H = 7168",
+    "tune": "the per-token kernels' geometry (kernel, cluster) at T = 1, H = 7168",
+    "finalize": "the fused MoE finalize against the unfused PyTorch sequence, k = 16, D = 3584",
+    "floors": "copy bandwidth and launch floor of the GPU",
+    "chain": "the 93-layer Kimi K3 decode step, MoE-tail fold on vs off, one CUDA graph per step",
+    "persistent": "the persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
+                  "12}, with and without the addend (about 3 minutes; not part of 'all'; --hidden sets H)",
+    "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
+          "separated, plus all-reduce and op latencies (docs/tp.md)",
+    "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
+    "all": "floors, decode, tune, finalize and chain",
+    "plot": "draw the PNGs of existing results files (--out, comma-separated) into --plots (no GPU needed)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m attnres.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="suites:\n" + "\n".join(f"  {name:<11} {line}" for name, line in SUITES.items())
+                                       + "\n\nMethod and current figures: docs/performance.md.")
+    p.add_argument("suite", choices=list(SUITES), metavar="SUITE", help="which suite to run (listed below)")
+    p.add_argument("--quick", action="store_true", help="a reduced grid of the chosen suite")
     p.add_argument("--out", default=None, help="results file (JSON; default bench_results.json; guard: where to "
                                                "write its measurements, none when omitted)")
     p.add_argument("--commit", default=None, help="commit the numbers belong to (default: git HEAD)")
     p.add_argument("--no-pdl", action="store_true",
                    help="decode, chain, persistent and guard without programmatic dependent launch")
-    p.add_argument("--repeats", type=int, default=25, help="timed replays per variant (interleaved)")
-    p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go")
+    p.add_argument("--repeats", type=int, default=25, help="timed replays per variant, interleaved (default 25)")
+    p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go (default docs/perf)")
     c = p.add_argument_group("chain")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                    help="cpu: the chain (tp: over gloo) on the CPU backend with a small config, timed eagerly by wall "
@@ -56,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--tokens", default=None,
                    help="comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8)")
     c.add_argument("--hidden", type=int, default=None,
-                   help="hidden size (chain: default 7168 on cuda, 512 on cpu; persistent: default 7168)")
-    c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 25 on cpu)")
+                   help="hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)")
+    c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda; on cpu 26, tp: 10)")
     c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
     t = p.add_argument_group("tp")
     t.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
@@ -72,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
     g.add_argument("--against", default=None,
                    help="compare this existing results file instead of measuring (no GPU needed)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.suite == "plot":
         from .plots import make_plots

@@ -1,4 +1,4 @@
-"""The Kimi K3 decode-chain benchmark (target P6): one decode step of the 93-layer, H = 7168 schedule with the
+"""The Kimi K3 decode-chain benchmark: one decode step of the 93-layer, H = 7168 schedule with the
 MoE-tail fold on and off, each step captured as one CUDA graph and the two graphs replayed interleaved.
 
 What the graph holds: the residual stream only — the 187 attention-residual sites, the snapshot writes, the
@@ -51,9 +51,8 @@ POISON = {True: float("nan"), False: float("inf")}  # different per chain: an ou
 
 
 def cpu_config() -> KimiK3Config:
-    """The CPU stand-in for the real schedule: 25 layers, block 4 (7 snapshots, N <= 8), H = 512 — the same
-    structure (dense layer 0, MoE from layer 1, MLA layers, taps) in well under a second per T."""
-    return KimiK3Config.small(hidden_size=512, num_layers=25, snapshot_block=4)
+    """The CPU stand-in for the real schedule: the tools' shared small config (KimiK3Config.cpu())."""
+    return KimiK3Config.cpu()
 
 
 class SiteTrace(ChainTrace):

@@ -10,7 +10,7 @@ weight rows read once) and that bandwidth as a share of the device-to-device cop
 start of the suite (floors.copy_bandwidth_tbs; read + write counted, like op_bytes). From the points: the
 per-token/persistent crossover (the smallest T of the sweep from which the persistent kernel is faster at
 every larger T, per N and addend: the value to give Options.split_max_tokens is the T just below it) and
-target P5 (T >= 4096, N = 9, with the addend: >= 85% of the copy bandwidth).
+the bandwidth target (T >= 4096, N = 9, with the addend: >= 85% of the copy bandwidth).
 
 Input sets rotate inside each graph until their bytes exceed twice the L2 (at large T one set already does),
 so the bank streams from DRAM as in a serving engine.
@@ -137,8 +137,8 @@ def crossover(records: list[dict]) -> dict[tuple[bool, int, int], int | None]:
 
 
 def p5_target(records: list[dict]) -> tuple[str, str, str, bool] | None:
-    """P5: the persistent kernel at T >= 4096, N = 9, with the addend, moves its bytes at >= 85% of the copy
-    bandwidth. The worst such point decides."""
+    """Target P5 (docs/performance.md): the persistent kernel at T >= 4096, N = 9, with the addend, moves its
+    bytes at >= 85% of the copy bandwidth. The worst such point decides."""
     pts = [r for r in _persistent_records(records)
            if r["provider"] == "attnres/persistent" and r["T"] >= 4096 and r["N"] == 9 and r["add"]]
     if not pts:

@@ -126,7 +126,7 @@ def make_plots(results_paths: list[str] | str, out_dir: str) -> list[str]:
         copy_tbs = floors.get("copy_tbs")
         if copy_tbs:
             ax.axhline(copy_tbs * 1000, color="gray", ls="--", label=f"measured copy bandwidth {copy_tbs:.2f} TB/s")
-            ax.axhline(0.85 * copy_tbs * 1000, color="gray", ls=":", label="P5: 85% of it")
+            ax.axhline(0.85 * copy_tbs * 1000, color="gray", ls=":", label="target: 85% of it")
             ax.legend(fontsize=7)
         save(fig, "gbps_vs_T_N9.png")
 
@@ -152,29 +152,38 @@ def make_plots(results_paths: list[str] | str, out_dir: str) -> list[str]:
         ax.set_xscale("log", base=2)
         save(fig, "moe_finalize.png")
 
-    series, saving, first = chain_series(records)
-    if first:
-        how = ("CUDA-graph replay, one graph per step" if first.get("graph")
-               else "CPU eager, wall clock: not a measurement")
-        where = _tag([r for r in records if r.get("suite") == "chain"])
-        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-        _plot(left, series, "T (tokens)", f"decode chain, {first['layers']} layers, H = {first['H']}, sites + MoE-tail "
-                                         f"adds only\n{how} — {where}")
-        left.set_ylabel("ms per decode step")
-        left.set_yscale("linear")
-        ts = list(saving)
-        right.plot(ts, [saving[t] for t in ts], marker="o", ms=3, label="(fold off − fold on) / MoE layers")
-        if first["layers"] == 93:
-            right.axhline(200.0 / first["moe_layers"], color="gray", ls=":",
-                          label=f"P6: 0.2 ms per step = {200.0 / first['moe_layers']:.2f} µs per MoE layer")
-        right.set_ylim(bottom=min(0.0, 1.1 * min(saving.values())))
-        right.set_xlabel("T (tokens)")
-        right.set_ylabel("µs saved per MoE layer")
-        right.set_title("the fold's saving per MoE layer", fontsize=9)
-        right.grid(True, which="both", alpha=0.3)
-        right.legend(fontsize=7)
-        for ax in (left, right):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(ts, [str(t) for t in ts])
-        save(fig, "chain_fold.png")
+    if chain_series(records)[2]:
+        save(chain_figure(plt, records, _tag([r for r in records if r.get("suite") == "chain"])), "chain_fold.png")
     return written
+
+
+def chain_figure(plt, records: list[dict], where: str):
+    """The decode chain's figure: step time with the fold off and on vs T (left), the saving per MoE layer
+    (right). `where` names the run (GPU and commit) in the title. Used by `bench plot` and `attnres demo --plot`."""
+    series, saving, first = chain_series(records)
+    how = "CUDA-graph replay, one graph per step" if first.get("graph") else "CPU eager, wall clock: not a measurement"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    _plot(left, series, "T (tokens)", f"decode chain, {first['layers']} layers, H = {first['H']}, sites + MoE-tail "
+                                     f"adds only\n{how} — {where}")
+    left.set_ylabel("ms per decode step")
+    left.set_yscale("linear")
+    ts = list(saving)
+    # The noise of the difference (the two p10-p90 spreads combined) as the error bar: a saving inside it is not one.
+    noise = {r["T"]: r["saving_noise_us"] / max(r["moe_layers"], 1) for r in records
+             if r.get("suite") == "chain" and r.get("graph") == first.get("graph")}
+    right.errorbar(ts, [saving[t] for t in ts], yerr=[noise.get(t, 0.0) for t in ts], marker="o", ms=3, capsize=2,
+                   label="(fold off − fold on) / MoE layers, ± noise of the difference")
+    right.axhline(0.0, color="black", lw=0.5)
+    if first["layers"] == 93:
+        right.axhline(200.0 / first["moe_layers"], color="gray", ls=":",
+                      label=f"target: 0.2 ms per step = {200.0 / first['moe_layers']:.2f} µs per MoE layer")
+    right.set_ylim(bottom=min(0.0, 1.1 * min(saving[t] - noise.get(t, 0.0) for t in ts)))
+    right.set_xlabel("T (tokens)")
+    right.set_ylabel("µs saved per MoE layer")
+    right.set_title("the fold's saving per MoE layer", fontsize=9)
+    right.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=7)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(ts, [str(t) for t in ts])
+    return fig

@@ -50,8 +50,9 @@ def _find(records, **key):
 
 
 def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
-    """(id, what, measured, met) for P1-P4 from a decode sweep, P5 from the persistent suite, P6 from the chain
-    suite, P7 from finalize."""
+    """(id, what, measured, met) for the performance targets P1-P7 of docs/performance.md (each row carries its
+    definition in `what`): P1-P4 from a decode sweep, P5 from the persistent suite, P6 from the chain suite, P7
+    from finalize."""
     rows = []
     dec = [r for r in records if r.get("suite") == "decode"]
     p1 = _find(dec, provider="attnres/add2", T=1, N=9)

@@ -13,7 +13,7 @@ It reproduces the parts of a real MoE runner that the hand-off depends on, deter
 * the runner's own finalize: per token, sum over j in j order of fp32(weight) * fp32(row) in fp32, times the
   routed scaling factor, rounded to bf16 once.
 
-The seed's bug (shared/seeds/004): with caller routing, the runner's locally allocated weights buffer is never
+The bug this guards against (a MoE runner's deferred-finalize path): with caller routing, the runner's locally allocated weights buffer is never
 written (the routing reads the caller's buffer), yet the deferred path returned it — the consumer then applied
 uninitialized memory as routing weights and the model scored 0.00 on GSM8K, silently. Here the deferred path
 hands over the buffer the routing used (`_weights_handed_to_consumer`, the one decision point; the regression

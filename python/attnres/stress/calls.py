@@ -48,7 +48,7 @@ def _options(s: Spec) -> attnres.Options:
 
 
 def run_op(s: Spec, v: dict, options: attnres.Options | None) -> dict[str, Tensor]:
-    """The op of the spec on the views v (any device). options None: the library's defaults (the reference)."""
+    """The op of the call spec on the views v (any device). options None: the library's defaults (the reference)."""
     if s.op == "moe_finalize":
         out = moe_finalize(v["rows"], v["weights"], v["index"], shared=v["shared"], norm_weight=v["norm_weight"],
                            eps=s.norm_eps, scale=s.scale, pdl=s.pdl if options is not None else True)

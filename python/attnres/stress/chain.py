@@ -106,7 +106,9 @@ def chain_config(device: str, layers: int | None, hidden: int | None, block: int
         if hidden is not None and hidden != cfg.hidden_size:
             cfg = cfg.with_(hidden_size=hidden)
         return cfg
-    return KimiK3Config.small(hidden_size=hidden or 256, num_layers=layers or 26, snapshot_block=block or 4)
+    base = KimiK3Config.cpu()
+    return KimiK3Config.small(hidden_size=hidden or base.hidden_size, num_layers=layers or base.num_layers,
+                              snapshot_block=block or base.snapshot_block)
 
 
 def run_chain(steps: int, *, device: str = "cuda", tokens: int = 1, layers: int | None = None,

@@ -6,9 +6,8 @@
 `check` runs attnres.tp.checks on every rank (NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the
 CPU with a small config), prints PASS/FAIL per check (a check passes when it passed on every rank) and exits 1
 if any failed. The benchmark is `python -m attnres.bench tp`.
-
-The rank entry points live here, not in __main__, so that spawned ranks can import them.
 """
+# The rank entry points live here, not in __main__, so that spawned ranks can import them.
 
 from __future__ import annotations
 
@@ -97,23 +96,31 @@ def default_opts(**overrides) -> dict:
     return {**opts, **overrides}
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m attnres.tp", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("check", help="the TP correctness checks on every rank; exit 1 on any failure")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    c = sub.add_parser("check", help="the TP correctness checks on every rank; exit 1 on any failure",
+                       description="Runs the TP correctness checks of the decode chain on every rank and prints "
+                                   "PASS/FAIL per check; exit 1 if any failed.")
     c.add_argument("--tokens", type=_tokens, default=(1, 8), help="comma-separated T values (default 1,8)")
     c.add_argument("--steps", type=int, default=2, help="decode steps per T (default 2)")
-    c.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    c.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                   help="auto (default): NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the CPU")
     c.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
     c.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168 on cuda, 256 on cpu)")
     c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 14 on cpu)")
     c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
-    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
     c.add_argument("--no-finalize", action="store_true", help="skip the finalize checks")
     c.add_argument("--mutation", choices=C.MUTATIONS, default="none",
                    help="switch on one deliberate fault (the checks must then fail)")
     c.add_argument("--json", default=None, help="also write the merged results here (rank 0)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")

@@ -1,4 +1,4 @@
-"""Kimi K3's decoder layer and model in decode: the residual stream exactly as shared/spec/model.md's per-layer
+"""Kimi K3's decoder layer and model in decode: the residual stream exactly as docs/model.md's per-layer
 sequence, with stand-in sub-layers. Per layer L (prefix P, S snapshots in the bank):
 
 1. pre-attention site: x = norm_in(AttnRes(P, bank[:S])) — a plain RMSNorm at layer 0 (S = 0); a pending MoE

@@ -1,0 +1,185 @@
+"""One set of output bits for every CUDA kernel (all CUDA-only, skipped elsewhere).
+
+Every CUDA kernel reduces in split_k's order, a function of H alone (plan_tuning.hpp split_k_chunk), and uses
+the same softmax and mixture arithmetic, so a token's `output`, the mixture (the tap; attn_res's mixture and
+fp32 diagnostics) and `updated` are bitwise identical whichever kernel runs it. Checked over the grid: every N
+in 1..16, H from one vector to 16384 (odd multiples of 8 that leave partial warps and short last chunks
+included), T = 1, 3, 64, 300, snapshot-major and token-major banks, no addend / one / two, with and without the
+tap, on every kernel the plan accepts when forced: split_k (the reference), single_cta, split_k with a cluster
+of one (a one-block launch), and persistent (through Options(kernel="persistent") and the persistent op).
+The persistent kernel declines the tap and the second addend: with two addends it is compared on the
+materialized one-addend call (the fold is bitwise invisible on every kernel, tests/test_bitwise.py).
+
+Every result is cloned and the kernel's own output tensors are poisoned (NaN) before they are freed, so a
+kernel that leaves an output unwritten cannot pass by inheriting the previous kernel's bits from the caching
+allocator. The CPU backend is not part of the guarantee (its rsqrt and exp are the exact functions, not the
+GPU's MUFU approximations); tests/test_ops_oracle.py holds both to the float64 oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnres
+from conftest import requires_cuda
+from helpers import Inputs
+
+pytestmark = [requires_cuda, pytest.mark.gpu]
+
+HIDDEN = [8, 64, 200, 1024, 1160, 2048, 2056, 4096, 7168, 7176, 8192, 16384]
+TOKENS = [1, 3, 64, 300]
+LAYOUTS = ["snapshot_major", "token_major"]
+REFERENCE = "split_k"
+FORCED = {
+    "single_cta": attnres.Options(kernel="single_cta"),
+    "split_k_cluster_1": attnres.Options(kernel="split_k", cluster=1),
+    "persistent": attnres.Options(kernel="persistent"),
+}
+
+
+def _inputs(T: int, N: int, H: int, layout: str, addends: int, seed: int) -> Inputs:
+    from test_persistent import gpu_inputs  # the persistent tests' GPU-side generator (fast at large T * H)
+    inp = gpu_inputs(T, N, H, layout=layout, add=addends >= 1, seed=seed)
+    if addends == 2:
+        g = torch.Generator(device="cuda").manual_seed(seed + 1)
+        inp.add2 = (torch.randn(T, H, generator=g, device="cuda") * 0.5).to(torch.bfloat16)
+        inp.buffers["add2"] = inp.add2
+    return inp
+
+
+def _kept(result):
+    """Clones of a call's tensors, then NaN into the call's own outputs (see the module docstring)."""
+    tensors = result if isinstance(result, tuple) else (result,)
+    kept = tuple(None if t is None else t.clone() for t in tensors)
+    for t in tensors:
+        if t is not None and t.is_floating_point():
+            t.fill_(float("nan"))
+    return kept
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(view),
+                                                                     b.contiguous().view(view))
+
+
+def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    diff = a.contiguous().view(view) != b.contiguous().view(view)
+    idx = tuple(diff.nonzero()[0].tolist())
+    return f"{int(diff.sum())} of {diff.numel()} differ; first at {list(idx)}: {a[idx].item()!r} vs {b[idx].item()!r}"
+
+
+class Op:
+    """One op and flag set: how to call it and what the plan is asked."""
+
+    def __init__(self, name: str, addends: int, tap: bool):
+        self.name, self.addends, self.tap = name, addends, tap
+
+    def __repr__(self) -> str:
+        return f"{self.name}(addends={self.addends}, tap={self.tap})"
+
+    def plan(self, inp: Inputs, options: attnres.Options):
+        return attnres.plan(self.name, tokens=inp.T, candidates=inp.N, hidden=inp.H, device="cuda",
+                            add=self.addends >= 1, add2=self.addends == 2, tap=self.tap, options=options)
+
+    def __call__(self, inp: Inputs, options: attnres.Options, add=None):
+        w = (inp.res_weight, inp.rms_weight)
+        if self.name == "attn_res":
+            return _kept(attnres.attn_res(inp.layer_residual, inp.block_residual, *w, inp.rms_eps, options=options))
+        w = (*w, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+        if self.name == "attn_res_rmsnorm":
+            r = attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, return_mixture=self.tap,
+                                         options=options)
+            return _kept(r)
+        if self.name == "attn_res_add_rmsnorm_persistent":
+            return _kept(attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, inp.block_residual, *w,
+                                                                 layer_residual_add=inp.add, options=options))
+        r = attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add if add is None else add, inp.block_residual, *w,
+                                         layer_residual_add2=inp.add2 if add is None else None,
+                                         return_mixture=self.tap, options=options)
+        return _kept(r)
+
+
+def _ops(addends: int) -> list[Op]:
+    if addends == 0:
+        return [Op("attn_res", 0, False), Op("attn_res_rmsnorm", 0, False), Op("attn_res_rmsnorm", 0, True)]
+    return [Op("attn_res_add_rmsnorm", addends, False), Op("attn_res_add_rmsnorm", addends, True)]
+
+
+def _compare(want, got, what: str) -> list[str]:
+    bad = []
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a is None and b is None:
+            continue
+        if a is None or b is None or not _same_bits(a, b):
+            detail = "one side missing" if a is None or b is None else _first_difference(a, b)
+            bad.append(f"{what}: output {i}: {detail}")
+    return bad
+
+
+def _check_case(T: int, N: int, H: int, layout: str, addends: int) -> tuple[list[str], list[str]]:
+    """(mismatches, the kernels compared) for one input set, every op and kernel against split_k."""
+    inp = _inputs(T, N, H, layout, addends, seed=(T * 131 + N) * 17 + H + addends)
+    reference_opts = attnres.Options(kernel=REFERENCE)
+    bad, compared = [], []
+    for op in _ops(addends):
+        ctx = f"{op} T={T} N={N} H={H} {layout}"
+        assert op.plan(inp, reference_opts).kernel == REFERENCE, ctx
+        want = op(inp, reference_opts)
+        for name, opts in FORCED.items():
+            if op.addends == 2 and name == "persistent":
+                continue  # below, on the materialized addend
+            if not op.plan(inp, opts).accepted:
+                continue
+            bad += _compare(want, op(inp, opts), f"{ctx}: {name} vs split_k")
+            compared.append(name)
+        if op.addends == 2 and not op.tap:
+            # The persistent kernel on add = bf16(add + add2) (PyTorch's rounding): updated and output.
+            one = Op("attn_res_add_rmsnorm", 1, False)
+            summed = inp.add + inp.add2
+            if one.plan(inp, FORCED["persistent"]).accepted:
+                got = one(inp, FORCED["persistent"], add=summed)
+                bad += _compare(want[:2], got[:2], f"{ctx}: persistent on add + add2 vs split_k with two addends")
+                compared.append("persistent")
+    if addends == 1:
+        persistent_op = Op("attn_res_add_rmsnorm_persistent", 1, False)
+        want = Op("attn_res_add_rmsnorm", 1, False)(inp, reference_opts)[:2]
+        if persistent_op.plan(inp, attnres.Options()).accepted:
+            bad += _compare(want, persistent_op(inp, attnres.Options()),
+                            f"persistent op T={T} N={N} H={H} {layout} vs split_k")
+            compared.append("persistent")
+    return bad, compared
+
+
+@pytest.mark.parametrize("addends", [0, 1, 2])
+@pytest.mark.parametrize("H", HIDDEN)
+def test_every_kernel_gives_split_k_bits(H, addends):
+    bad, compared = [], []
+    for N in range(1, 17):
+        for T in TOKENS:
+            for layout in LAYOUTS:
+                b, c = _check_case(T, N, H, layout, addends)
+                bad += b
+                compared += c
+    kinds = set(compared)
+    assert not bad, f"{len(bad)} mismatches over {len(compared)} comparisons:\n" + "\n".join(bad[:20])
+    # What the grid must have reached at this H: persistent everywhere; single_cta up to H = 8192 (N <= 4);
+    # the one-block split_k up to H = 2048.
+    assert "persistent" in kinds, kinds
+    assert ("single_cta" in kinds) == (H <= 8192), kinds
+    assert ("split_k_cluster_1" in kinds) == (H <= 2048), kinds
+
+
+def test_the_comparison_sees_a_different_order():
+    """The bit comparison has teeth: a forced cluster of 8 at H = 7168 (split_k's default is 7, so the rank
+    chunks and the order of the sums differ) changes some bits of a T = 300 call."""
+    inp = _inputs(300, 9, 7168, "token_major", 1, seed=5)
+    op = Op("attn_res_add_rmsnorm", 1, True)
+    default = op(inp, attnres.Options(kernel="split_k"))
+    other = op(inp, attnres.Options(kernel="split_k", cluster=8))
+    assert attnres.plan("attn_res_add_rmsnorm", tokens=300, candidates=9, hidden=7168, device="cuda", add=True,
+                        options=attnres.Options(kernel="split_k")).cluster == 7
+    assert _same_bits(default[0], other[0]), "updated is exact on every kernel"
+    assert not _same_bits(default[1], other[1]), "a different summation order changed no output bit"
