@@ -121,17 +121,18 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
       amax = block;
     }
   } else {
-    // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads), indexed by
-    // vector: a one-block launch lays its threads out by split_k's rank chunks (kChunkThreads threads per
-    // chunk of p.chunk vectors), so a thread's index is not its vector's, and the block owns every vector.
+    // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads). A one-block
+    // launch lays its threads out by split_k's rank chunks (kChunkThreads threads per chunk of p.chunk
+    // vectors) and owns every vector: vector v is thread (v / chunk) * kChunkThreads + v % chunk there.
+    thread_amax[tid] = mine;
+    __syncthreads();
     const int first = CLUSTER ? rank * p.chunk : 0;
     const int end = CLUSTER ? min(first + p.chunk, p.vectors) : p.vectors;  // this block's vectors
-    if (valid) thread_amax[vec - first] = mine;
-    __syncthreads();
+    const auto thread_of = [&](int v) { return CLUSTER ? v - first : v / p.chunk * kChunkThreads + v % p.chunk; };
     const int g = vec >> 4;
     const int lo = max(g * 16, first), hi = min(g * 16 + 16, end);
     amax = 0;
-    for (int v = lo; v < hi; ++v) amax = max(amax, thread_amax[v - first]);
+    for (int v = lo; v < hi; ++v) amax = max(amax, thread_amax[thread_of(v)]);
     if constexpr (CLUSTER) {
       if (p.chunk % 16 != 0) {
         // A group split by a block boundary: every block pushes the partial amax of its first and last group
@@ -237,6 +238,11 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
+  // The post-wait addresses are formed before the wait: their operands are launch parameters, and with the
+  // prefix's token stride read after the wait ptxas issued the newest row first and merged it before the
+  // prefix load (a second round trip; the FP8 block128 N = 9 one-block instance, tools/sass_check.py).
+  const __nv_bfloat16* const prefix_row = p.layer_residual + token * p.lr_stride + col;
+
   grid_dependency_wait();
   // Release dependents here, not after the last store: see "PDL release" in the header comment.
   launch_dependents();
@@ -248,7 +254,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   // later (found bisecting a T = 1 add2 regression on the H200 with tools/ab_commits.sh: N = 2 2.97 -> 3.48 us
   // at 6a81f52, together with the exp branches below). The newest row goes last, so the merge cannot start
   // before every load is out; tools/sass_check.py checks every instance's SASS.
-  uint4 prefix = load16_if(p.layer_residual + token * p.lr_stride + col, valid);
+  uint4 prefix = load16_if(prefix_row, valid);
   uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
   if constexpr (kAdd) {
     add = load16_if(p.add + token * p.add_stride + col, valid);
