@@ -2,7 +2,8 @@
 // device's shared-memory budget), the launcher and the kernel (which take the offsets from here).
 //
 //   [0, 1024)              per consumer warp and candidate: (sum of squares, dot with q)   [16][8][2] fp32
-//   [1024, 1088)           per consumer warp: the mixture's sum of squares                 [8] fp32 (+ pad)
+//   [1024, 1088)           per consumer warp: the mixture's sum of squares                 [8] fp32, then
+//                          the FP8 epilogue's amax (per_token)                             [8] u32
 //   [1088, 1088 + 16 S)    the ring's mbarriers: full[S], then empty[S]                     8 bytes each
 //   [norm_weight_offset)   H > 8192 only: the norm weight, bf16 (each thread's own vectors)  slot_bytes
 //   [ring_offset, ...)     S row slots of slot_bytes each (128-byte aligned)
@@ -28,6 +29,9 @@ constexpr int64_t kPartialsOffset = 0;
 constexpr int64_t kPartialsBytes = int64_t{kMaxCandidates} * kMaxConsumerWarps * 2 * 4;
 constexpr int64_t kMixSquaresOffset = kPartialsOffset + kPartialsBytes;
 constexpr int64_t kMixSquaresBytes = 64;
+// The FP8 epilogue's per-warp amax (per_token mode): the upper half of the mixture-squares block, unused by it.
+constexpr int64_t kFp8AmaxOffset = kMixSquaresOffset + 4 * kMaxConsumerWarps;
+static_assert(kFp8AmaxOffset + 4 * kMaxConsumerWarps <= kMixSquaresOffset + kMixSquaresBytes, "FP8 amax fits");
 constexpr int64_t kBarriersOffset = kMixSquaresOffset + kMixSquaresBytes;
 constexpr int64_t kSlotAlign = 128;
 

@@ -20,6 +20,15 @@ const char* op_name(AttnResOp op) {
   return "unknown_op";
 }
 
+const char* fp8_scales_name(Fp8Scales mode) {
+  switch (mode) {
+    case Fp8Scales::none: return "none";
+    case Fp8Scales::per_token: return "per_token";
+    case Fp8Scales::block128: return "block128";
+  }
+  return "unknown_fp8_mode";
+}
+
 const char* kernel_name(KernelKind kernel) {
   switch (kernel) {
     case KernelKind::automatic: return "auto";
@@ -131,6 +140,14 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (q.hidden < kHiddenMultiple || q.hidden > kMaxHidden || q.hidden % kHiddenMultiple != 0)
     return declined("H = " + std::to_string(q.hidden) + ": H must be a multiple of 8 in [8, " +
                     std::to_string(kMaxHidden) + "]");
+
+  const int fp8_mode = static_cast<int>(q.fp8);
+  if (fp8_mode < 0 || fp8_mode > 2) return declined("fp8 = " + std::to_string(fp8_mode) + ": not an FP8 mode");
+  if (q.fp8 == Fp8Scales::none && q.fp8_pow2_scales) return declined("fp8_pow2_scales requires an FP8 mode");
+  if (q.fp8 != Fp8Scales::none && q.op == AttnResOp::attn_res)
+    return declined("attn_res has no normed output to quantize to FP8 (use attn_res_rmsnorm)");
+  if (q.fp8 == Fp8Scales::block128 && q.hidden % kFp8GroupSize != 0)
+    return declined("fp8 = block128 needs H a multiple of 128, got H = " + std::to_string(q.hidden));
 
   const bool persistent = routes_to_persistent(q, o);
   // The add2 decline is a property of the topology, on every backend, so the caller's materialize-first

@@ -27,6 +27,7 @@ const char* dtype_name(DType dtype) {
     case DType::c32: return "complex32";
     case DType::c64: return "complex64";
     case DType::c128: return "complex128";
+    case DType::e4m3: return "float8_e4m3fn";
   }
   return "an unsupported dtype";
 }
@@ -50,6 +51,7 @@ int64_t dtype_size(DType dtype) {
     case DType::c32: return 4;
     case DType::c64: return 8;
     case DType::c128: return 16;
+    case DType::e4m3: return 1;
   }
   return 1;
 }

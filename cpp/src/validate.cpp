@@ -24,10 +24,10 @@ OpTable op_table(AttnResOp op) {
   switch (op) {
     case AttnResOp::attn_res:
       return {Use::refused, Use::refused, Use::refused, Use::refused, Use::refused, Use::optional,
-              Use::refused};
+              Use::optional};
     case AttnResOp::attn_res_rmsnorm:
       return {Use::refused, Use::refused, Use::required, Use::refused, Use::optional, Use::refused,
-              Use::refused};
+              Use::optional};
     case AttnResOp::attn_res_add_rmsnorm:
       return {Use::required, Use::optional, Use::required, Use::required, Use::optional, Use::refused,
               Use::optional};
@@ -72,6 +72,53 @@ struct Named {
   const TensorRef* ref;
 };
 
+int64_t round_up4(int64_t v) { return (v + 3) / 4 * 4; }
+
+// The FP8 output and its scales (docs/ops/attn_res_rmsnorm.md, "FP8 output"). Runs after the shape checks
+// (T, H known); the shared device, aliasing and alignment checks include the two tensors.
+void validate_fp8(const Checker& c, AttnResOp op, const AttnResArgs& a, int64_t T, int64_t H, bool require_outputs) {
+  const int mode = static_cast<int>(a.fp8);
+  if (mode < 0 || mode > 2)
+    c.fail("fp8", "must be none (0), per_token (1) or block128 (2), got " + std::to_string(mode));
+  (void)op;  // attn_res was refused before the shape checks
+  if (a.fp8 == Fp8Scales::none) {
+    if (a.fp8_pow2_scales) c.fail("fp8_pow2_scales", "requires fp8 = per_token or block128");
+    if (a.output_fp8.present()) c.fail("output_fp8", "requires fp8 = per_token or block128");
+    if (a.fp8_scales.present()) c.fail("fp8_scales", "requires fp8 = per_token or block128");
+    return;
+  }
+  if (a.fp8 == Fp8Scales::block128 && H % kFp8GroupSize != 0)
+    c.fail("fp8", "= block128 needs the hidden size H to be a multiple of 128, got H = " + std::to_string(H));
+  if (!a.output_fp8.present() || !a.fp8_scales.present()) {
+    if (!require_outputs) return;
+    c.fail(a.output_fp8.present() ? "fp8_scales" : "output_fp8", std::string("is required with fp8 = ") +
+                                                                     fp8_scales_name(a.fp8));
+  }
+  const TensorRef& q = a.output_fp8;
+  c.shape("output_fp8", q, {T, H}, "[T, H]");
+  c.dtype("output_fp8", q, DType::e4m3);
+  c.layout("output_fp8", q);
+
+  const TensorRef& s = a.fp8_scales;
+  const int64_t groups = a.fp8 == Fp8Scales::per_token ? 1 : H / kFp8GroupSize;
+  c.shape("fp8_scales", s, {T, groups}, a.fp8 == Fp8Scales::per_token ? "[T, 1]" : "[T, H / 128]");
+  c.dtype("fp8_scales", s, DType::f32);
+  for (int i = 0; i < 2; ++i)
+    if (s.strides[i] < 0) c.fail("fp8_scales", "has a negative stride " + s.strides_string());
+  if (a.fp8 == Fp8Scales::block128) {
+    // DeepGEMM's Hopper FP8 GEMMs read the scales MN-major with a TMA-aligned (16-byte) column stride.
+    const bool ok = (T == 1 || s.strides[0] == 1) && (groups == 1 || s.strides[1] == round_up4(T));
+    if (!ok)
+      c.fail("fp8_scales", "must be column-major over tokens with the token stride padded to a multiple of 4 "
+                           "(strides [1, " + std::to_string(round_up4(T)) + "] for T = " + std::to_string(T) +
+                           "), got strides " + s.strides_string());
+  }
+  if (!detail::non_overlapping(s))
+    c.fail("fp8_scales", "has an overlapping layout (strides " + s.strides_string() + ")");
+  if (s.data == nullptr) c.fail("fp8_scales", "has a null data pointer");
+  if (reinterpret_cast<uintptr_t>(s.data) % 4 != 0) c.fail("fp8_scales", "must be 4-byte aligned");
+}
+
 }  // namespace
 
 void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
@@ -101,6 +148,9 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   c.presence("logits", a.logits, use.diagnostics);
   if (a.snapshot_slot != -1 && use.snapshot == Use::refused)
     c.fail("snapshot_slot", "is not an argument of this op");
+  if (op == AttnResOp::attn_res &&
+      (a.fp8 != Fp8Scales::none || a.fp8_pow2_scales || a.output_fp8.present() || a.fp8_scales.present()))
+    c.fail("fp8", "is not an argument of this op: attn_res has no normed output to quantize (use attn_res_rmsnorm)");
 
   // 2. Ranks and sizes: T and H come from layer_residual, K from block_residual.
   const TensorRef& lr = a.layer_residual;
@@ -141,6 +191,8 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   for (int i = 3; i < 6; ++i)
     if (outputs[i].ref->present()) c.shape(outputs[i].name, *outputs[i].ref, {N, T}, "[N, T]");
 
+  validate_fp8(c, op, a, T, H, require_outputs);
+
   // 3. Dtypes.
   for (const Named& in : inputs)
     if (in.ref->present()) c.dtype(in.name, *in.ref, DType::bf16);
@@ -151,6 +203,8 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
 
   // 4. One device for everything.
   const Device dev = lr.device;
+  for (const Named& t : {Named{"output_fp8", &a.output_fp8}, Named{"fp8_scales", &a.fp8_scales}})
+    if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
   for (const std::vector<Named>* group : {&inputs, &outputs})
     for (const Named& t : *group)
       if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
@@ -186,6 +240,8 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   // 8. Outputs (and the snapshot row) alias neither inputs nor each other.
   std::vector<Named> written = outputs;
   if (snapshot_rows.present()) written.push_back({"snapshot row", &snapshot_rows});
+  written.push_back({"output_fp8", &a.output_fp8});
+  written.push_back({"fp8_scales", &a.fp8_scales});
   for (size_t i = 0; i < written.size(); ++i) {
     if (!written[i].ref->present()) continue;
     for (const Named& in : inputs) {
@@ -204,6 +260,12 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
     for (const Named& in : inputs) c.aligned16(in.name, *in.ref);
     for (int i = 0; i < 3; ++i) c.aligned16(outputs[i].name, *outputs[i].ref);
     if (snapshot_rows.present()) c.aligned16("snapshot row", snapshot_rows);
+    // Each thread stores its 8 codes as one 8-byte word.
+    const TensorRef& q = a.output_fp8;
+    if (q.present() && q.numel() > 0 &&
+        (reinterpret_cast<uintptr_t>(q.data) % 8 != 0 || (q.shape[0] > 1 && q.strides[0] % 8 != 0)))
+      c.fail("output_fp8", "must be 8-byte aligned for the CUDA kernels (base pointer and token stride a "
+                           "multiple of 8 bytes), got strides " + q.strides_string());
   }
 }
 
@@ -218,6 +280,8 @@ PlanQuery plan_query(AttnResOp op, const AttnResArgs& a) {
   q.tap = a.mixture.present();
   q.snapshot = a.snapshot_slot != -1;
   q.diagnostics = a.rsigma.present() || a.probs.present() || a.logits.present();
+  q.fp8 = a.fp8;
+  q.fp8_pow2_scales = a.fp8_pow2_scales;
   return q;
 }
 

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -15,6 +16,7 @@
 namespace attnres_test {
 namespace {
 
+using attnres::Fp8Scales;
 using attnres::KernelKind;
 using attnres::Options;
 using attnres::Topology;
@@ -154,8 +156,11 @@ std::vector<Rejection> argument_rejections() {
       reject("AddRequired", A, [](AttnResArgs& a, Case&) { a.layer_residual_add = a.layer_residual_add2 = TensorRef{}; },
              "layer_residual_add is required"),
       drop_arg("UpdatedOnlyWithPersistentAdd", P, "layer_residual_add", "updated is only produced with layer_residual_add"),
-      reject("SnapshotRefusedByRmsnorm", N, [](AttnResArgs& a, Case&) { a.snapshot_slot = 3; }, "snapshot_slot " + not_arg),
-      reject("SnapshotRefusedByAttnRes", R, [](AttnResArgs& a, Case&) { a.snapshot_slot = 2; }, "snapshot_slot " + not_arg),
+      // attn_res and attn_res_rmsnorm take snapshot_slot (the row written is layer_residual), with the add op's rules.
+      reject("SnapshotSlotIsACandidateRmsnorm", N, [](AttnResArgs& a, Case&) { a.snapshot_slot = 1; },
+             "snapshot_slot 1 is a candidate of this call (must be >= K = 2)"),
+      reject("SnapshotSlotBelowMinusOneAttnRes", R, [](AttnResArgs& a, Case&) { a.snapshot_slot = -2; },
+             "snapshot_slot must be -1 (no snapshot) or a row index >= K, got -2"),
       reject("SnapshotRefusedByPersistent", P, [](AttnResArgs& a, Case&) { a.snapshot_slot = 2; }, "snapshot_slot " + not_arg),
 
       // 2. Ranks and sizes.
@@ -384,6 +389,91 @@ TEST(RejectsMisaligned, AlignedCudaViewsPassValidation) {
     EXPECT_NO_THROW(attnres::validate(op, a)) << attnres::op_name(op);
   }
 }
+
+// ---------------------------------------------------------------------------------------------------------
+// The FP8 output's preconditions that Python cannot reach (the wrappers and torch.ops build the mode, the
+// tensors and their layout themselves): attn_res_rmsnorm, T = 2, H = 128, with poisoned output_fp8 and scales.
+
+struct Fp8Rejection {
+  const char* name;
+  Fp8Scales mode;  // set before the mutation
+  std::function<void(AttnResArgs&)> mutate;
+  bool on_cuda;  // validate() with every tensor labelled cuda:0 (nothing is launched)
+  std::string message;
+};
+void PrintTo(const Fp8Rejection& r, std::ostream* os) { *os << r.name; }
+
+std::vector<Fp8Rejection> fp8_rejections() {
+  const auto none = Fp8Scales::none;
+  const auto per_token = Fp8Scales::per_token;
+  return {
+      {"InvalidModeInteger", per_token, [](AttnResArgs& a) { a.fp8 = static_cast<Fp8Scales>(7); }, false,
+       "fp8 must be none (0), per_token (1) or block128 (2), got 7"},
+      {"Pow2WithoutFp8", none, [](AttnResArgs& a) {
+         a.fp8_pow2_scales = true;
+         a.output_fp8 = TensorRef{};
+         a.fp8_scales = TensorRef{};
+       }, false, "fp8_pow2_scales requires fp8 = per_token or block128"},
+      {"ScalesWithoutFp8", none, [](AttnResArgs& a) { a.output_fp8 = TensorRef{}; }, false,
+       "fp8_scales requires fp8 = per_token or block128"},
+      {"OverlappingScales", per_token, [](AttnResArgs& a) { a.fp8_scales.strides[0] = 0; }, false,
+       "fp8_scales has an overlapping layout (strides [0, 1])"},
+      {"ScalesNot4ByteAligned", per_token, [](AttnResArgs& a) {
+         a.fp8_scales.data = static_cast<char*>(a.fp8_scales.data) + 2;
+       }, false, "fp8_scales must be 4-byte aligned"},
+      {"OutputFp8Not8ByteAlignedOnCuda", per_token, [](AttnResArgs& a) {
+         a.output_fp8.data = static_cast<char*>(a.output_fp8.data) + 4;
+       }, true, "output_fp8 must be 8-byte aligned for the CUDA kernels (base pointer and token stride a multiple of 8 bytes), got strides [128, 1]"},
+  };
+}
+
+class RejectsFp8 : public ::testing::TestWithParam<Fp8Rejection> {};
+
+TEST_P(RejectsFp8, WithItsMessageAndWritesNothing) {
+  const Fp8Rejection& r = GetParam();
+  Config cfg = base_config(N);
+  cfg.H = 128;
+  cfg.seed = test_seed();
+  Case c(cfg);
+  const int64_t T = cfg.T, H = cfg.H;
+  // Storage with room past the views (the shifted pointers stay inside), poisoned.
+  std::vector<uint8_t> codes(static_cast<size_t>(T * H + 16), 0xA5);
+  std::vector<float> scales(static_cast<size_t>(T + 4), -7.0f);
+  AttnResArgs a = c.args();
+  a.fp8 = r.mode;
+  a.output_fp8 = attnres::make_ref(codes.data(), DType::e4m3, a.output.device, {T, H});
+  a.fp8_scales = attnres::make_ref(scales.data(), DType::f32, a.output.device, {T, 1});
+  {
+    AttnResArgs valid = a;
+    valid.fp8 = Fp8Scales::per_token;
+    EXPECT_NO_THROW(attnres::validate(N, valid));  // the base call is valid: the mutation causes the rejection
+  }
+  r.mutate(a);
+  if (r.on_cuda) {
+    // On the CPU the same view is fine: alignment is a rule of the CUDA kernels only.
+    EXPECT_NO_THROW(attnres::validate(N, a));
+    all_on_cuda(a);
+    a.output_fp8.device = kCuda0;
+    a.fp8_scales.device = kCuda0;
+  }
+  const Case before = c;
+  const std::vector<uint8_t> codes_before = codes;
+  const std::vector<float> scales_before = scales;
+  const std::string msg = error_of<attnres::ArgumentError>([&] {
+    if (r.on_cuda) {
+      attnres::validate(N, a);
+    } else {
+      attnres::run(N, a);
+    }
+  });
+  EXPECT_EQ(msg.rfind(op_prefix(N) + r.message, 0), 0u) << "message: \"" << msg << "\"";
+  EXPECT_TRUE(storage_unchanged(before, c));
+  EXPECT_EQ(codes, codes_before);
+  EXPECT_EQ(std::memcmp(scales.data(), scales_before.data(), scales.size() * sizeof(float)), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8, RejectsFp8, ::testing::ValuesIn(fp8_rejections()),
+                         [](const ::testing::TestParamInfo<Fp8Rejection>& info) { return std::string(info.param.name); });
 
 // ---------------------------------------------------------------------------------------------------------
 // Valid calls the plan declines (UnsupportedError) and invalid options (ArgumentError): nothing written.

@@ -40,6 +40,8 @@ def _run(op, options: Options, **tensors) -> None:
     name = _C.op_name(op)
     args = _C.AttnResArgs()
     snapshot_slot = tensors.pop("snapshot_slot", -1)
+    args.fp8 = getattr(_C.Fp8Scales, tensors.pop("fp8", None) or "none")
+    args.fp8_pow2_scales = bool(tensors.pop("fp8_pow2_scales", False))
     for key, value in tensors.items():
         if key in ("rms_eps", "norm_eps"):
             setattr(args, key, float(value))
@@ -161,7 +163,7 @@ def _(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_e
 
 # ---------------------------------------------------------------------------------- attn_res_add_rmsnorm
 def _add_rmsnorm(op, layer_residual, layer_residual_add, layer_residual_add2, block_residual, res_weight, rms_weight,
-                 norm_weight, rms_eps, norm_eps, return_mixture, snapshot_slot, options):
+                 norm_weight, rms_eps, norm_eps, return_mixture, snapshot_slot, options, extra=None):
     updated = _empty_rows(layer_residual, layer_residual_add is not None)
     output = _empty_rows(layer_residual)
     mixture = _empty_rows(layer_residual, return_mixture)
@@ -181,6 +183,7 @@ def _add_rmsnorm(op, layer_residual, layer_residual_add, layer_residual_add2, bl
         updated=updated if layer_residual_add is not None else None,
         mixture=mixture if return_mixture else None,
         snapshot_slot=snapshot_slot,
+        **(extra or {}),
     )
     return updated, output, mixture
 
@@ -334,3 +337,6 @@ def _(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight
                 rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps)
     T, H = layer_residual.shape
     return layer_residual.new_empty((T, H) if layer_residual_add is not None else (0,)), layer_residual.new_empty((T, H))
+
+
+from . import _custom_ops_variants  # noqa: E402,F401  (the FP8 and snapshot-writing variants)

@@ -29,6 +29,7 @@ _DTYPES = {
     torch.complex32: _C.DType.c32,
     torch.complex64: _C.DType.c64,
     torch.complex128: _C.DType.c128,
+    torch.float8_e4m3fn: _C.DType.e4m3,
 }
 
 ABSENT = _C.TensorRef()

@@ -14,6 +14,7 @@ from . import _C
 from .options import DEFAULT, Options
 
 OPS = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
+FP8_MODES = (None, "per_token", "block128")
 
 
 @dataclass(frozen=True)
@@ -74,16 +75,21 @@ def device_info(device) -> _C.DeviceInfo:
 
 def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", add: bool = False,
          add2: bool = False, tap: bool = False, snapshot: bool = False, diagnostics: bool = False,
-         options: Options | None = None) -> PlanInfo:
-    """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device`: a torch device, or a
-    described GPU ("h100", "h200", or a dict of cc_major, cc_minor, sm_count, shared_memory_per_block_optin),
-    for which it is the plan a CUDA build takes on that GPU, answered without one."""
+         fp8: str | None = None, fp8_pow2_scales: bool = False, options: Options | None = None) -> PlanInfo:
+    """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device` (fp8: None, "per_token"
+    or "block128", the FP8 epilogue): a torch device, or a described GPU ("h100", "h200", or a dict of cc_major,
+    cc_minor, sm_count, shared_memory_per_block_optin), for which it is the plan a CUDA build takes on that GPU,
+    answered without one."""
     if op not in OPS:
         raise ValueError(f"attnres.plan: op must be one of {OPS}, got {op!r}")
+    if fp8 not in FP8_MODES:
+        raise ValueError(f"attnres.plan: fp8 must be one of {FP8_MODES}, got {fp8!r}")
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
     q.tokens, q.candidates, q.hidden = int(tokens), int(candidates), int(hidden)
     q.add, q.add2, q.tap, q.snapshot, q.diagnostics = bool(add), bool(add2), bool(tap), bool(snapshot), bool(diagnostics)
+    q.fp8 = getattr(_C.Fp8Scales, fp8 or "none")
+    q.fp8_pow2_scales = bool(fp8_pow2_scales)
     p = _C.plan_query(q, device_info(device), (options or DEFAULT).to_c())
     if not p.accepted:
         return PlanInfo(kernel=None, decline=p.decline)

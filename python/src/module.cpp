@@ -73,7 +73,12 @@ NB_MODULE(_C, m) {
       .value("u64", DType::u64)
       .value("c32", DType::c32)
       .value("c64", DType::c64)
-      .value("c128", DType::c128);
+      .value("c128", DType::c128)
+      .value("e4m3", DType::e4m3);
+  nb::enum_<Fp8Scales>(m, "Fp8Scales")
+      .value("none", Fp8Scales::none)
+      .value("per_token", Fp8Scales::per_token)
+      .value("block128", Fp8Scales::block128);
   nb::enum_<DeviceType>(m, "DeviceType").value("cpu", DeviceType::cpu).value("cuda", DeviceType::cuda);
   nb::enum_<AttnResOp>(m, "AttnResOp")
       .value("attn_res", AttnResOp::attn_res)
@@ -126,6 +131,10 @@ NB_MODULE(_C, m) {
       .def_rw("probs", &AttnResArgs::probs)
       .def_rw("logits", &AttnResArgs::logits)
       .def_rw("snapshot_slot", &AttnResArgs::snapshot_slot)
+      .def_rw("fp8", &AttnResArgs::fp8)
+      .def_rw("fp8_pow2_scales", &AttnResArgs::fp8_pow2_scales)
+      .def_rw("output_fp8", &AttnResArgs::output_fp8)
+      .def_rw("fp8_scales", &AttnResArgs::fp8_scales)
       .def_prop_rw(
           "stream", [](const AttnResArgs& a) { return reinterpret_cast<uintptr_t>(a.stream); },
           [](AttnResArgs& a, uintptr_t s) { a.stream = reinterpret_cast<void*>(s); });
@@ -148,7 +157,9 @@ NB_MODULE(_C, m) {
       .def_rw("add2", &PlanQuery::add2)
       .def_rw("tap", &PlanQuery::tap)
       .def_rw("snapshot", &PlanQuery::snapshot)
-      .def_rw("diagnostics", &PlanQuery::diagnostics);
+      .def_rw("diagnostics", &PlanQuery::diagnostics)
+      .def_rw("fp8", &PlanQuery::fp8)
+      .def_rw("fp8_pow2_scales", &PlanQuery::fp8_pow2_scales);
 
   nb::class_<Plan>(m, "Plan")
       .def_ro("kernel", &Plan::kernel)

@@ -25,6 +25,12 @@ enum class AttnResOp : int32_t {
 };
 const char* op_name(AttnResOp op);
 
+// FP8 (e4m3) output of the normed ops, quantized from the op's own bf16 `output` in the same launch
+// (docs/ops/attn_res_rmsnorm.md, "FP8 output"): one fp32 scale per token, or per 128 columns of a token.
+enum class Fp8Scales : int32_t { none = 0, per_token = 1, block128 = 2 };
+const char* fp8_scales_name(Fp8Scales mode);
+constexpr int64_t kFp8GroupSize = 128;  // columns per scale of Fp8Scales::block128
+
 // Every argument of every op; each op names which it requires, accepts or refuses (docs/ops/<op>.md).
 struct AttnResArgs {
   // inputs (bf16)
@@ -45,6 +51,14 @@ struct AttnResArgs {
   // Snapshot write: P is stored into bank row `snapshot_slot` (the row at block_residual.data +
   // snapshot_slot * snapshot stride). Must be >= K: the row is not a candidate of the same call. -1: none.
   int64_t snapshot_slot = -1;
+  // FP8 output (norm ops): with fp8 != none, output_fp8 [T, H] e4m3 (contiguous last dimension) and
+  // fp8_scales fp32 are written from `output`: per_token: [T, 1] (any token stride); block128: [T, H / 128]
+  // in DeepGEMM's Hopper layout, column-major over tokens: strides {1, round_up(T, 4)}.
+  // fp8_pow2_scales rounds every scale up to a power of two (UE8M0-valued).
+  Fp8Scales fp8 = Fp8Scales::none;
+  bool fp8_pow2_scales = false;
+  TensorRef output_fp8;
+  TensorRef fp8_scales;
   void* stream = nullptr;  // cudaStream_t of the caller; ignored on the CPU backend
 };
 
@@ -75,6 +89,8 @@ struct PlanQuery {
   int64_t candidates = 0;  // N = K + 1
   int64_t hidden = 0;      // H
   bool add = false, add2 = false, tap = false, snapshot = false, diagnostics = false;
+  Fp8Scales fp8 = Fp8Scales::none;  // the FP8 epilogue (a compile-time variant of every kernel)
+  bool fp8_pow2_scales = false;
 };
 
 struct Plan {

@@ -13,12 +13,13 @@
 
 namespace attnres {
 
-// The ops take bf16 and fp32 (diagnostics) tensors; the other codes exist so that a wrong dtype is named in
-// the error message instead of being misread. `other` is for a dtype the caller's framework has and this
-// list does not (its message says so).
+// The ops take bf16 and fp32 (diagnostics, FP8 scales) tensors and write e4m3 (float8_e4m3fn: 4 exponent
+// bits, bias 7, 3 mantissa bits, no infinities, 0x7F / 0xFF NaN, max 448) FP8 outputs; the other codes exist so
+// that a wrong dtype is named in the error message instead of being misread. `other` is for a dtype the
+// caller's framework has and this list does not (its message says so).
 enum class DType : int32_t {
   bf16 = 0, f32 = 1, i32 = 2, f16 = 3, f64 = 4, i64 = 5, u8 = 6, other = 7,
-  boolean = 8, i8 = 9, i16 = 10, u16 = 11, u32 = 12, u64 = 13, c32 = 14, c64 = 15, c128 = 16,
+  boolean = 8, i8 = 9, i16 = 10, u16 = 11, u32 = 12, u64 = 13, c32 = 14, c64 = 15, c128 = 16, e4m3 = 17,
 };
 enum class DeviceType : int32_t { cpu = 0, cuda = 1 };
 

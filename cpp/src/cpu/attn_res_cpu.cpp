@@ -8,6 +8,7 @@
 #include "attnres/attn_res.hpp"
 #include "backend.hpp"
 #include "cpu/bf16.hpp"
+#include "cpu/fp8.hpp"
 #include "layout.hpp"
 
 namespace attnres::detail {
@@ -62,6 +63,23 @@ float sum_squares(const bf16* x, int64_t H) {
 void store_f32(const TensorRef& t, int64_t n, int64_t tok, float v) {
   if (!t.present()) return;
   static_cast<float*>(t.data)[n * t.strides[0] + tok * t.strides[1]] = v;
+}
+
+// The FP8 epilogue of one token from its bf16 output row (cpu/fp8.hpp has the formulas).
+void quantize_row(const AttnResArgs& a, int64_t t, const bf16* out, int64_t H) {
+  const int64_t group = a.fp8 == Fp8Scales::per_token ? H : kFp8GroupSize;
+  uint8_t* codes = static_cast<uint8_t*>(a.output_fp8.data) + t * a.output_fp8.strides[0];
+  float* scales = static_cast<float*>(a.fp8_scales.data);
+  for (int64_t g = 0; g * group < H; ++g) {
+    uint32_t amax = 0;
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const uint32_t b = abs_bits(bf16_to_f32(out[h]));
+      amax = b > amax ? b : amax;
+    }
+    const float s = fp8_scale(amax, a.fp8_pow2_scales);
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) codes[h] = fp8_code(bf16_to_f32(out[h]), s);
+    scales[t * a.fp8_scales.strides[0] + g * a.fp8_scales.strides[1]] = s;
+  }
 }
 
 }  // namespace
@@ -163,6 +181,7 @@ void cpu_attn_res(AttnResOp op, const AttnResArgs& a) {
     } else {
       for (int64_t h = 0; h < H; ++h) o[h] = mixed[h];
     }
+    if (a.fp8 != Fp8Scales::none) quantize_row(a, t, o, H);
   }
 }
 

@@ -16,7 +16,7 @@ namespace {
 
 using KernelFn = void (*)(PerTokenParams);
 
-template <Mode M, bool CLUSTER>
+template <Mode M, bool CLUSTER, Fp8Mode F>
 KernelFn by_bucket(int max_candidates) {
   // The buckets of plan_tuning.hpp. single_cta is planned for N <= 4 only (a 1024-thread block has 64
   // registers per thread; the N <= 8 instance spilled 160 bytes); the CLUSTER = false instances of the larger
@@ -25,22 +25,34 @@ KernelFn by_bucket(int max_candidates) {
   // here fails the static_assert.
   static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
   switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER>;
-    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER>;
-    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER>;
-    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER>;
+    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>;
+    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F>;
+    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F>;
+    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F>;
+    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F>;
     default: return nullptr;
   }
 }
 
-template <bool CLUSTER>
+template <bool CLUSTER, Fp8Mode F>
 KernelFn by_mode(Mode mode, int max_candidates) {
   switch (mode) {
-    case Mode::mix: return by_bucket<Mode::mix, CLUSTER>(max_candidates);
-    case Mode::norm: return by_bucket<Mode::norm, CLUSTER>(max_candidates);
-    case Mode::add: return by_bucket<Mode::add, CLUSTER>(max_candidates);
-    case Mode::add2: return by_bucket<Mode::add2, CLUSTER>(max_candidates);
+    case Mode::mix:
+      if constexpr (F == Fp8Mode::none) return by_bucket<Mode::mix, CLUSTER, F>(max_candidates);
+      return nullptr;  // attn_res has no normed output (validated)
+    case Mode::norm: return by_bucket<Mode::norm, CLUSTER, F>(max_candidates);
+    case Mode::add: return by_bucket<Mode::add, CLUSTER, F>(max_candidates);
+    case Mode::add2: return by_bucket<Mode::add2, CLUSTER, F>(max_candidates);
+  }
+  return nullptr;
+}
+
+template <bool CLUSTER>
+KernelFn by_fp8(Fp8Scales fp8, Mode mode, int max_candidates) {
+  switch (fp8) {
+    case Fp8Scales::none: return by_mode<CLUSTER, Fp8Mode::none>(mode, max_candidates);
+    case Fp8Scales::per_token: return by_mode<CLUSTER, Fp8Mode::per_token>(mode, max_candidates);
+    case Fp8Scales::block128: return by_mode<CLUSTER, Fp8Mode::block128>(mode, max_candidates);
   }
   return nullptr;
 }
@@ -85,6 +97,14 @@ PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
   p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
   p.rms_eps = static_cast<float>(a.rms_eps);
   p.norm_eps = static_cast<float>(a.norm_eps);
+  if (a.fp8 != Fp8Scales::none) {
+    p.output_fp8 = tensor_ptr<uint8_t>(a.output_fp8);
+    p.fp8_scales = tensor_ptr<float>(a.fp8_scales);
+    p.output_fp8_stride = a.output_fp8.strides[0];
+    p.fp8_scales_stride[0] = a.fp8_scales.strides[0];
+    p.fp8_scales_stride[1] = a.fp8_scales.strides[1];
+    p.fp8_pow2 = a.fp8_pow2_scales ? 1 : 0;
+  }
   return p;
 }
 
@@ -99,8 +119,8 @@ Mode mode_of(AttnResOp op, const AttnResArgs& a) {
 void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   // split_k with a one-block cluster (H <= 1024) runs the instance without the cluster exchange.
   const bool cluster = plan.kernel == KernelKind::split_k && plan.cluster > 1;
-  const KernelFn kernel = cluster ? by_mode<true>(mode_of(op, a), plan.max_candidates)
-                                  : by_mode<false>(mode_of(op, a), plan.max_candidates);
+  const KernelFn kernel = cluster ? by_fp8<true>(a.fp8, mode_of(op, a), plan.max_candidates)
+                                  : by_fp8<false>(a.fp8, mode_of(op, a), plan.max_candidates);
   if (kernel == nullptr)
     throw UnsupportedError(std::string(op_name(op)) + ": no kernel instance for the plan (kernel " +
                            kernel_name(plan.kernel) + ", N bucket " + std::to_string(plan.max_candidates) + ")");

@@ -42,6 +42,12 @@ struct PerTokenParams {
   int32_t chunk;       // vectors owned by one block of the cluster
   float inv_hidden;    // 1 / H (the mean as a product: no division, whose slow-path branch breaks ILP)
   float rms_eps, norm_eps;
+  // FP8 epilogue (the Fp8Mode instances only): codes [T, H], scales [T, G] with strides {token, group}.
+  uint8_t* output_fp8;
+  float* fp8_scales;
+  int64_t output_fp8_stride;
+  int64_t fp8_scales_stride[2];
+  int32_t fp8_pow2;  // 1: power-of-two scales
 };
 
 }  // namespace attnres::detail

@@ -41,6 +41,7 @@
 #include "attnres/limits.hpp"
 #include "cuda/attn_res_params.cuh"
 #include "cuda/device_utils.cuh"
+#include "cuda/fp8_epilogue.cuh"
 #include "plan_tuning.hpp"
 
 namespace attnres::detail {
@@ -93,13 +94,93 @@ __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* 
   for (int r = 0; r < ranks; ++r) st_async_f32(map_to_rank(slot, r), value, map_to_rank(barrier, r));
 }
 
+// The FP8 epilogue of one token from the bf16 output `out` of this thread's vector `vec` (zeros when the
+// thread owns none): the group amax (per_token: the whole token, across the cluster; block128: 16 vectors,
+// which a block boundary may split when the chunk is not a multiple of 16), the scale, 8 codes per thread, and
+// one scale store per group (the thread owning the group's first vector, rank 0's thread 0 for per_token).
+template <Fp8Mode FP8, bool CLUSTER, int kMaxWarps>
+__device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out, bool valid, int token, int vec,
+                                             int rank, int ranks, int tid, int lane, int warp, int warps,
+                                             uint32_t* warp_amax, uint32_t* thread_amax, uint32_t (*recv)[2],
+                                             uint64_t* bar) {
+  const uint32_t mine = valid ? amax_bits8(out) : 0u;
+  uint32_t amax;
+  if constexpr (FP8 == Fp8Mode::per_token) {
+    const uint32_t w = warp_max_u32(mine);
+    if (lane == 0) warp_amax[warp] = w;
+    __syncthreads();
+    uint32_t block = 0;
+    for (int i = 0; i < warps; ++i) block = max(block, warp_amax[i]);
+    if constexpr (CLUSTER) {
+      if (tid == 0) {
+        mbarrier_expect_tx(shared_address(bar), ranks * sizeof(float));
+        push_to_ranks(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(block), ranks);
+      }
+      mbarrier_wait_parity(shared_address(bar), 0);
+      amax = 0;
+      for (int r = 0; r < ranks; ++r) amax = max(amax, recv[r][0]);
+    } else {
+      amax = block;
+    }
+  } else {
+    // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads). A one-block
+    // launch lays its threads out by split_k's rank chunks (kChunkThreads threads per chunk of p.chunk
+    // vectors) and owns every vector: vector v is thread (v / chunk) * kChunkThreads + v % chunk there.
+    thread_amax[tid] = mine;
+    __syncthreads();
+    const int first = CLUSTER ? rank * p.chunk : 0;
+    const int end = CLUSTER ? min(first + p.chunk, p.vectors) : p.vectors;  // this block's vectors
+    const auto thread_of = [&](int v) { return CLUSTER ? v - first : v / p.chunk * kChunkThreads + v % p.chunk; };
+    const int g = vec >> 4;
+    const int lo = max(g * 16, first), hi = min(g * 16 + 16, end);
+    amax = 0;
+    for (int v = lo; v < hi; ++v) amax = max(amax, thread_amax[thread_of(v)]);
+    if constexpr (CLUSTER) {
+      if (p.chunk % 16 != 0) {
+        // A group split by a block boundary: every block pushes the partial amax of its first and last group
+        // (its threads 0 and end - first - 1 computed them above); each thread takes the partials of the
+        // other blocks that share its group. fmax of bit patterns: any order gives the same bits.
+        const int last = end - first - 1;  // >= 0 unless the block owns no vector
+        if (tid == 0) mbarrier_expect_tx(shared_address(bar), ranks * 2 * sizeof(float));
+        if (tid == 0)
+          push_to_ranks(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(last >= 0 ? amax : 0u),
+                        ranks);
+        if (tid == max(last, 0)) {
+          // A block that owns no vector pushes zeros for both (thread 0 then pushes both).
+          push_to_ranks(reinterpret_cast<const float*>(&recv[rank][1]), bar, __uint_as_float(last >= 0 ? amax : 0u),
+                        ranks);
+        }
+        mbarrier_wait_parity(shared_address(bar), 0);
+        for (int r = 0; r < ranks; ++r) {
+          const int rf = r * p.chunk, re = min(rf + p.chunk, p.vectors);
+          if (rf >= re) continue;
+          if ((rf >> 4) == g) amax = max(amax, recv[r][0]);
+          if (((re - 1) >> 4) == g) amax = max(amax, recv[r][1]);
+        }
+      }
+    }
+  }
+  const float s = fp8_scale(amax, p.fp8_pow2 != 0);
+  if (valid) {
+    *reinterpret_cast<uint2*>(p.output_fp8 + token * p.output_fp8_stride + static_cast<int64_t>(vec) * 8) =
+        fp8_codes8(out, s);
+    if constexpr (FP8 == Fp8Mode::per_token) {
+      if (vec == 0) p.fp8_scales[token * p.fp8_scales_stride[0]] = s;
+    } else {
+      if ((vec & 15) == 0) p.fp8_scales[token * p.fp8_scales_stride[0] + (vec >> 4) * p.fp8_scales_stride[1]] = s;
+    }
+  }
+}
+
 // The block size bound of an instance: single_cta is planned for N <= 4 only (buckets 2 and 4, up to 1024
 // threads); every other instance runs split_k's blocks of <= 256 threads, the one-block clusters of split_k
 // (H <= 1024) included, which launch the CLUSTER = false instance (no exchange, no cluster).
 template <int NMAX, bool CLUSTER>
 constexpr int kMaxThreadsOf = CLUSTER || NMAX > 4 ? kSplitKMaxThreads : kSingleCtaMaxThreads;
 
-template <int NMAX, Mode MODE, bool CLUSTER>
+// FP8: the e4m3 epilogue after the trailing norm (norm modes only), a compile-time variant so the bf16-only
+// instances carry none of it.
+template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none>
 __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
   namespace cg = cooperative_groups;
@@ -115,6 +196,15 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   __shared__ float recv_part[kRanks][2 * NMAX];     // split_k: every block's (sumsq, dot), by rank
   __shared__ float recv_sq[kRanks];                 // split_k: every block's mixture sum of squares
   __shared__ alignas(8) uint64_t bars[2];           // split_k: completion of the two exchanges
+  constexpr bool kFp8 = FP8 != Fp8Mode::none;
+  static_assert(!kFp8 || MODE != Mode::mix, "attn_res has no normed output to quantize");
+  // FP8: per-warp amax (per_token), per-thread amax (block128 groups that do not align with warps), what the
+  // cluster's blocks exchange (per_token: the block's amax; block128: the partial amax of its first and last
+  // group), and the exchange's mbarrier.
+  __shared__ uint32_t fp8_warp_amax[kFp8 ? kMaxWarps : 1];
+  __shared__ uint32_t fp8_thread_amax[kFp8 ? kMaxThreadsOf<NMAX, CLUSTER> : 1];
+  __shared__ uint32_t fp8_recv[kFp8 ? kRanks : 1][2];
+  __shared__ alignas(8) uint64_t fp8_bar;
 
   int rank = 0, ranks = 1, token = blockIdx.x;
   if constexpr (CLUSTER) {
@@ -127,6 +217,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     if (threadIdx.x == 0) {
       mbarrier_init(shared_address(&bars[0]), 1);
       mbarrier_init(shared_address(&bars[1]), 1);
+      if constexpr (kFp8) mbarrier_init(shared_address(&fp8_bar), 1);
       fence_mbarrier_init_cluster();
     }
     cluster_arrive_relaxed();
@@ -149,6 +240,11 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
 #pragma unroll
   for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
+  // The post-wait addresses are formed before the wait: their operands are launch parameters, and with the
+  // prefix's token stride read after the wait ptxas issued the newest row first and merged it before the
+  // prefix load (a second round trip; the FP8 block128 N = 9 one-block instance, tools/sass_check.py).
+  const __nv_bfloat16* const prefix_row = p.layer_residual + token * p.lr_stride + col;
+
   grid_dependency_wait();
   // Release dependents here, not after the last store: see "PDL release" in the header comment.
   launch_dependents();
@@ -160,7 +256,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   // later (found bisecting a T = 1 add2 regression on the H200 with tools/ab_commits.sh: N = 2 2.97 -> 3.48 us
   // at 6a81f52, together with the exp branches below). The newest row goes last, so the merge cannot start
   // before every load is out; tools/sass_check.py checks every instance's SASS.
-  uint4 prefix = load16_if(p.layer_residual + token * p.lr_stride + col, valid);
+  uint4 prefix = load16_if(prefix_row, valid);
   uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
   if constexpr (kAdd) {
     add = load16_if(p.add + token * p.add_stride + col, valid);
@@ -244,6 +340,11 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     if (tid < 2 * N) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
+  if constexpr (!kAdd) {
+    // The snapshot write without an addend: the row is layer_residual itself. After the load window (the
+    // post-wait loads stay together, tools/sass_check.py), before the mixture.
+    if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+  }
 
   // ---- softmax over the N candidates, computed identically by every thread of every block ----
   // Branch-free over the bucket (n >= N gets logit -inf, probability 0) so the N chains overlap; rsqrt and
@@ -335,14 +436,18 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
       __syncthreads();
       total = block_sq;
     }
+    uint4 out = make_uint4(0, 0, 0, 0);
     if (valid) {
       const float r = rsqrtf(fmaf(total, p.inv_hidden, p.norm_eps));
       float w[8], o[8];
       unpack8(norm_w, w);
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] = round_bf16(mix[e] * r) * w[e];
-      store16(p.output + token * p.output_stride + col, pack8(o));
+      out = pack8(o);
+      store16(p.output + token * p.output_stride + col, out);
     }
+    if constexpr (kFp8) fp8_epilogue<FP8, CLUSTER, kMaxWarps>(p, out, valid, token, vec, rank, ranks, tid, lane, warp,
+                                                              warps, fp8_warp_amax, fp8_thread_amax, fp8_recv, &fp8_bar);
   }
 
   // No cluster barrier before exit: every push into this block's shared memory completed before its

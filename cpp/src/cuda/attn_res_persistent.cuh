@@ -63,6 +63,7 @@
 #include <cstdint>
 
 #include "cuda/device_utils.cuh"
+#include "cuda/fp8_epilogue.cuh"
 #include "persistent_layout.hpp"
 
 namespace attnres::detail {
@@ -92,6 +93,12 @@ struct PersistentParams {
   uint32_t ring_offset; // persistent::ring_offset(slots)
   float inv_hidden;
   float rms_eps, norm_eps;
+  // FP8 epilogue (the Fp8Mode instances only): codes [T, H], scales [T, G] with strides {token, group}.
+  uint8_t* output_fp8;
+  float* fp8_scales;
+  int64_t output_fp8_stride;
+  int64_t fp8_scales_stride[2];
+  int32_t fp8_pow2;
 };
 
 // ---- PTX helpers of this kernel (the shared ones live in device_utils.cuh) ----
@@ -275,8 +282,9 @@ __device__ __forceinline__ float chunked_sum(const float* base, int stride, int 
   return s;
 }
 
-// V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`).
-template <int V, bool ADD>
+// V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`); FP8: the e4m3
+// epilogue (step 5), a compile-time variant.
+template <int V, bool ADD, Fp8Mode FP8 = Fp8Mode::none>
 __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
     attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -505,6 +513,71 @@ __global__ void __launch_bounds__(persistent::kMaxThreads, 1)
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = round_bf16(m[e] * r) * w[e];
         store16(p.output + t * p.output_stride + offset(j) / 2, pack8(o));
+      }
+
+      // ---- 5. FP8: the output's groups (per_token: the token, across the consumer warps; block128: 16
+      // consecutive vectors), then codes and scales. The output vectors are recomputed from the mixture (the
+      // same instructions, the same bits) rather than kept in registers. For a fixed j the 32 lanes of a warp
+      // own 32 consecutive vectors (persistent_layout.hpp owned_vector; vector offset(j) / 16), so when the chunk is a
+      // multiple of 16 vectors each 128-column group lies on 16 aligned lanes of one warp (a butterfly); other
+      // chunks (H with H / 8 not a multiple of 16 per chunk) let a group straddle two chunks, hence two warps:
+      // those reduce through shared memory. Every reduction is a max of bit patterns: order-independent. ----
+      if constexpr (FP8 != Fp8Mode::none) {
+        const auto output_vector = [&](int j) {
+          float m[8], w[8], o[8];
+          unpack8(mixed[j], m);
+          if constexpr (kNormInRegisters) {
+            unpack8(norm_w[j], w);
+          } else {
+            unpack8(valid(j) ? *reinterpret_cast<const uint4*>(norm_smem + offset(j)) : make_uint4(0, 0, 0, 0), w);
+          }
+#pragma unroll
+          for (int e = 0; e < 8; ++e) o[e] = round_bf16(m[e] * r) * w[e];
+          return valid(j) ? pack8(o) : make_uint4(0, 0, 0, 0);
+        };
+        uint32_t amax[V];
+        if constexpr (FP8 == Fp8Mode::per_token) {
+          uint32_t mine = 0;
+#pragma unroll
+          for (int j = 0; j < V; ++j) mine = max(mine, amax_bits8(output_vector(j)));
+          uint32_t* const warp_amax = reinterpret_cast<uint32_t*>(smem + persistent::kFp8AmaxOffset);
+          mine = warp_max_u32(mine);
+          if (lane == 0) warp_amax[warp] = mine;
+          consumer_barrier(C);
+          uint32_t token_amax = 0;
+          for (int w = 0; w < consumer_warps; ++w) token_amax = max(token_amax, warp_amax[w]);
+#pragma unroll
+          for (int j = 0; j < V; ++j) amax[j] = token_amax;
+        } else if (p.chunk % 16 == 0) {
+#pragma unroll
+          for (int j = 0; j < V; ++j) amax[j] = half_warp_max_u32(amax_bits8(output_vector(j)));
+        } else {
+          // The partials block is free here: every consumer read its partials (step 2) before step 4's
+          // barrier, and the next token writes them only after the last barrier below. H / 128 <= 128 groups.
+          uint32_t* const group_amax = reinterpret_cast<uint32_t*>(partials);
+          for (int g = tid; g < p.vectors / 16; g += C) group_amax[g] = 0u;
+          consumer_barrier(C);
+#pragma unroll
+          for (int j = 0; j < V; ++j)
+            if (valid(j)) atomicMax(&group_amax[offset(j) / 256], amax_bits8(output_vector(j)));
+          consumer_barrier(C);
+#pragma unroll
+          for (int j = 0; j < V; ++j) amax[j] = valid(j) ? group_amax[offset(j) / 256] : 0u;
+          consumer_barrier(C);
+        }
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+          if (!valid(j)) continue;
+          const float sc = fp8_scale(amax[j], p.fp8_pow2 != 0);
+          const int v = static_cast<int>(offset(j) / 16);  // the vector's index
+          *reinterpret_cast<uint2*>(p.output_fp8 + t * p.output_fp8_stride + static_cast<int64_t>(v) * 8) =
+              fp8_codes8(output_vector(j), sc);
+          if constexpr (FP8 == Fp8Mode::per_token) {
+            if (v == 0) p.fp8_scales[t * p.fp8_scales_stride[0]] = sc;
+          } else {
+            if ((v & 15) == 0) p.fp8_scales[t * p.fp8_scales_stride[0] + (v >> 4) * p.fp8_scales_stride[1]] = sc;
+          }
+        }
       }
     }
   }

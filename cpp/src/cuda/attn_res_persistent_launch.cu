@@ -18,15 +18,29 @@ namespace {
 
 using PersistentFn = void (*)(PersistentParams);
 
-template <bool ADD>
+template <bool ADD, Fp8Mode F>
 PersistentFn by_vectors(int vectors) {
   switch (vectors) {
-    case 1: return attn_res_persistent_kernel<1, ADD>;
-    case 2: return attn_res_persistent_kernel<2, ADD>;
-    case 4: return attn_res_persistent_kernel<4, ADD>;
-    case 8: return attn_res_persistent_kernel<8, ADD>;
+    case 1: return attn_res_persistent_kernel<1, ADD, F>;
+    case 2: return attn_res_persistent_kernel<2, ADD, F>;
+    case 4: return attn_res_persistent_kernel<4, ADD, F>;
+    case 8: return attn_res_persistent_kernel<8, ADD, F>;
     default: return nullptr;
   }
+}
+
+template <Fp8Mode F>
+PersistentFn by_add(bool add, int vectors) {
+  return add ? by_vectors<true, F>(vectors) : by_vectors<false, F>(vectors);
+}
+
+PersistentFn select_kernel(Fp8Scales fp8, bool add, int vectors) {
+  switch (fp8) {
+    case Fp8Scales::none: return by_add<Fp8Mode::none>(add, vectors);
+    case Fp8Scales::per_token: return by_add<Fp8Mode::per_token>(add, vectors);
+    case Fp8Scales::block128: return by_add<Fp8Mode::block128>(add, vectors);
+  }
+  return nullptr;
 }
 
 // The dynamic shared memory above 48 KB must be opted into per kernel and device. Done once per (instance,
@@ -35,11 +49,11 @@ PersistentFn by_vectors(int vectors) {
 // stream operation nor a synchronisation: it is legal while a CUDA graph is being captured
 // (tests/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
 constexpr int kMaxDevices = 64;
-constexpr int kInstances = 8;  // 4 vector buckets x (add, no add)
+constexpr int kInstances = 24;  // 4 vector buckets x (add, no add) x 3 FP8 modes
 
-int instance_index(int vectors, bool add) {
+int instance_index(int vectors, bool add, Fp8Scales fp8) {
   const int bucket = vectors == 1 ? 0 : vectors == 2 ? 1 : vectors == 4 ? 2 : 3;
-  return bucket * 2 + (add ? 1 : 0);
+  return (static_cast<int>(fp8) * 4 + bucket) * 2 + (add ? 1 : 0);
 }
 
 void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes) {
@@ -56,7 +70,7 @@ void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int d
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
-  const PersistentFn kernel = add ? by_vectors<true>(plan.vectors) : by_vectors<false>(plan.vectors);
+  const PersistentFn kernel = select_kernel(a.fp8, add, plan.vectors);
   const int64_t H = a.layer_residual.shape[1];
   const int32_t consumers = plan.threads - persistent::kProducerThreads;
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
@@ -101,6 +115,14 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
   p.rms_eps = static_cast<float>(a.rms_eps);
   p.norm_eps = static_cast<float>(a.norm_eps);
+  if (a.fp8 != Fp8Scales::none) {
+    p.output_fp8 = tensor_ptr<uint8_t>(a.output_fp8);
+    p.fp8_scales = tensor_ptr<float>(a.fp8_scales);
+    p.output_fp8_stride = a.output_fp8.strides[0];
+    p.fp8_scales_stride[0] = a.fp8_scales.strides[0];
+    p.fp8_scales_stride[1] = a.fp8_scales.strides[1];
+    p.fp8_pow2 = a.fp8_pow2_scales ? 1 : 0;
+  }
 
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
@@ -108,7 +130,7 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   if (plan.smem_bytes > optin)
     throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.smem_bytes) +
                            " bytes of shared memory exceed the device's " + std::to_string(optin));
-  opt_into_shared_memory(kernel, instance_index(plan.vectors, add), device, optin);
+  opt_into_shared_memory(kernel, instance_index(plan.vectors, add, a.fp8), device, optin);
 
   cudaLaunchAttribute attrs[1];
   unsigned n_attrs = 0;

@@ -363,18 +363,36 @@ class SiteResult(NamedTuple):
     route: Route
 
 
+def _snapshot_in_op(settings: ResidualSettings, route: Route, tokens: int, candidates: int, hidden: int,
+                    device) -> bool:
+    """Whether the site's own op can write the snapshot row (snapshot_slot): the plan accepts the write on the
+    kernel the site runs (the persistent kernel does not write snapshot rows)."""
+    if route.path == FUSED:
+        op, options = "attn_res_rmsnorm", settings.options
+    elif route.path == EAGER:
+        op, options = "attn_res", settings.eager_options
+    else:
+        return False
+    p = _plan(op, tokens, candidates, hidden, _device_key(device), False, False, False, True, options)
+    return p.accepted and p.kernel == route.kernel
+
+
 def _run_unchanged(prefix: Tensor, bank: SnapshotBank, k: int, w: SiteWeights, settings: ResidualSettings,
-                   route: Route, mixture: bool) -> tuple[Tensor, Tensor | None]:
-    """(output, mixture) of a materialized prefix through `route` (RMSNORM, FUSED or EAGER)."""
+                   route: Route, mixture: bool, snapshot_slot: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """(output, mixture) of a materialized prefix through `route` (RMSNORM, FUSED or EAGER); with snapshot_slot
+    (FUSED and EAGER only) the op also writes the prefix into that bank row."""
     if route.path == RMSNORM:
         return rmsnorm(prefix, w.norm_weight, w.norm_eps), (prefix if mixture else None)  # N = 1: mixture = P
     cand = bank.candidates(k)
     if route.path == FUSED:
         if mixture:
-            return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), return_mixture=True, options=settings.options)
-        return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), options=settings.options), None
-    output, mix = eager_attn_res_rmsnorm(prefix, cand, w, settings.eager_options)
-    return output, (mix if mixture else None)
+            return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), return_mixture=True, snapshot_slot=snapshot_slot,
+                                            options=settings.options)
+        return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), snapshot_slot=snapshot_slot,
+                                        options=settings.options), None
+    mix = attnres.attn_res(prefix, cand, w.res_weight, w.rms_weight, w.rms_eps, snapshot_slot=snapshot_slot,
+                           options=settings.eager_options)[0]
+    return rmsnorm(mix, w.norm_weight, w.norm_eps), (mix if mixture else None)
 
 
 def try_fold(tail: PendingTail, bank: SnapshotBank, k: int, w: SiteWeights, settings: ResidualSettings, *,
@@ -423,8 +441,10 @@ def attn_res_site(carried: Tensor | PendingTail, bank: SnapshotBank, k: int, w: 
     route = site_route(settings, tokens=T, candidates=k + 1, hidden=H, device=prefix.device, add=False, tap=mixture)
     if record is not None:
         record.add(site, route, T, k + 1)
-    output, mix = _run_unchanged(prefix, bank, k, w, settings, route, mixture)
-    if snapshot:
+    # The snapshot row is written by the site's op where its kernel can (snapshot_slot), else copied.
+    in_op = snapshot and _snapshot_in_op(settings, route, T, k + 1, H, prefix.device)
+    output, mix = _run_unchanged(prefix, bank, k, w, settings, route, mixture, k if in_op else None)
+    if snapshot and not in_op:
         bank.row(k).copy_(prefix)
     return SiteResult(prefix, output, mix, route)
 

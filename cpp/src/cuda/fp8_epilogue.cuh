@@ -1,0 +1,76 @@
+// The FP8 (e4m3fn) epilogue's per-thread arithmetic, bit-exact with the CPU backend (cpu/fp8.hpp) and the
+// contract of docs/ops/attn_res_rmsnorm.md ("FP8 output"). Each thread holds 8 consecutive bf16 outputs; the
+// group's amax is the max of |x|'s bit patterns (an integer max: exact, order-independent, NaN-propagating),
+// reduced by the kernel over the group's threads.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace attnres::detail {
+
+// The FP8 variant of a kernel instance (compile time; attn_res.hpp Fp8Scales without `none` at run time).
+enum class Fp8Mode : int { none = 0, per_token = 1, block128 = 2 };
+
+// max |x| bits over the 8 bf16 values of `v` (the fp32 bit pattern of the bf16 magnitude).
+__device__ __forceinline__ uint32_t amax_bits8(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    m = max(m, (w[i] & 0x7fffu) << 16);
+    m = max(m, (w[i] >> 16 & 0x7fffu) << 16);
+  }
+  return m;
+}
+
+__device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
+
+// Max over aligned groups of 16 lanes (one 128-column group of 16 vectors).
+__device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v) {
+#pragma unroll
+  for (int m = 8; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, m));
+  return v;
+}
+
+// s = max(amax, 1e-10) / 448 (IEEE division), optionally rounded up to a power of two; NaN amax: NaN.
+__device__ __forceinline__ float fp8_scale(uint32_t amax_bits, bool pow2) {
+  if (amax_bits > 0x7f800000u) return __uint_as_float(0x7fc00000u);
+  const float amax = __uint_as_float(amax_bits);
+  const float s = __fdiv_rn(amax > 1e-10f ? amax : 1e-10f, 448.0f);
+  if (!pow2) return s;
+  const uint32_t b = __float_as_uint(s);
+  return (b & 0x007fffffu) == 0 ? s : __uint_as_float((b & 0x7f800000u) + 0x00800000u);
+}
+
+// clamp(x / s, -448, 448) with NaN kept (the comparisons are false for NaN).
+__device__ __forceinline__ float fp8_scaled(float x, float s) {
+  const float v = __fdiv_rn(x, s);
+  return v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
+}
+
+// Two values to e4m3, round to nearest even: `lo` in the low byte. The inputs are already clamped, so
+// satfinite never saturates a finite value; NaN codes are made 0x7F (the contract's one NaN code).
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  uint32_t r = d;
+  if (lo != lo) r = (r & 0xff00u) | 0x7fu;
+  if (hi != hi) r = (r & 0x00ffu) | 0x7f00u;
+  return r;
+}
+
+// The 8 codes of the 8 bf16 values of `v` with scale s, as one 8-byte word (element 0 in the lowest byte).
+__device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  uint32_t c[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xffff0000u);
+    c[i] = e4m3x2(fp8_scaled(lo, s), fp8_scaled(hi, s));
+  }
+  return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+}
+
+}  // namespace attnres::detail

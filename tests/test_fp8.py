@@ -1,0 +1,431 @@
+"""The FP8 (e4m3) output of the normed ops: bitwise equal to attnres.fp8.quantize of the op's own bf16 output on
+every device and kernel, the scale layout (DeepGEMM's column-major, padded block128 scales), the scale boundary
+cases, non-finite groups, rejections that write nothing, CUDA-graph replay and PDL chains.
+
+attnres.fp8.quantize itself is checked against an independent brute-force e4m3 rounding (nearest of the 256
+codes' values, ties to the even code)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import attnres
+from attnres import fp8
+from conftest import DEVICES, requires_cuda
+from helpers import BF16, assert_same_bits, bits, kernel_options, make_inputs, poison_
+
+MODES = ("per_token", "block128")
+
+
+# ------------------------------------------------------------------------------------ the reference itself
+def _e4m3_values() -> torch.Tensor:
+    """The values of the 256 codes (NaN for 0x7F / 0xFF), as float64."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).double()
+
+
+def _brute_e4m3(v: float) -> int:
+    """The code nearest to v (|v| <= 448, not NaN); ties go to the code with an even mantissa (bit 0 clear)."""
+    table = _e4m3_values()
+    best, best_d = None, None
+    for code in range(256):
+        x = float(table[code])
+        if math.isnan(x) or (x == 0 and math.copysign(1, x) != math.copysign(1, v)):
+            continue
+        if x != 0 and (x < 0) != (v < 0 or (v == 0 and math.copysign(1, v) < 0)):
+            continue
+        d = abs(x - v)
+        if best_d is None or d < best_d or (d == best_d and code % 2 == 0):
+            best, best_d = code, d
+    return best
+
+
+def test_e4m3_rounding_matches_brute_force():
+    g = torch.Generator().manual_seed(1)
+    table = _e4m3_values()
+    finite = table[~torch.isnan(table)]
+    mids = []
+    for a, b in zip(finite.sort().values[:-1], finite.sort().values[1:]):
+        m = (float(a) + float(b)) / 2
+        mids += [m, math.nextafter(m, -math.inf), math.nextafter(m, math.inf)]  # ties and one ulp either side
+    samples = torch.tensor(mids + [0.0, -0.0, 448.0, -448.0, 2.0 ** -10, -(2.0 ** -10), 2.0 ** -11, 1e-30],
+                           dtype=torch.float64)
+    samples = torch.cat([samples, (torch.rand(300, generator=g, dtype=torch.float64) * 2 - 1) * 448,
+                         (torch.rand(200, generator=g, dtype=torch.float64) * 2 - 1) * 2.0 ** -6])
+    samples = samples.float().double()  # fp32 values, the quantizer's input type
+    # x / s with s = 1: quantize through a group whose amax is 448 (s = 448 / 448 = 1 exactly).
+    x = torch.cat([samples, torch.tensor([448.0], dtype=torch.float64)]).float()
+    x = x[(x.double() - x.to(BF16).double()).abs() == 0]  # the op's input is bf16: keep bf16 values
+    assert x.numel() > 100
+    q, s = fp8.quantize(x.to(BF16).reshape(1, -1), "per_token")
+    assert float(s) == 1.0
+    got = q.view(torch.uint8).reshape(-1).tolist()
+    for v, c in zip(x.tolist(), got):
+        assert c == _brute_e4m3(v), (v, c)
+
+
+def test_reference_scale_rules():
+    # per token: s = max(amax, 1e-10) / 448; pow2 rounds up to a power of two unless already one.
+    x = torch.tensor([[448.0 * 4, 1.0], [0.0, 0.0], [3.0, -5.0]], dtype=BF16)
+    _, s = fp8.quantize(x, "per_token")
+    assert s[0, 0] == 4.0
+    assert s[1, 0] == torch.tensor(1e-10, dtype=torch.float32) / torch.tensor(448.0)
+    _, s2 = fp8.quantize(x, "per_token", pow2=True)
+    assert s2[0, 0] == 4.0 and s2[2, 0] == 2.0 ** math.ceil(math.log2(5.0 / 448))
+    assert s2[1, 0] == 2.0 ** math.ceil(math.log2(float(s[1, 0])))
+
+
+# ------------------------------------------------------------------------------------------- op plumbing
+def _call(op: str, inp, mode, pow2, *, layout_kwargs=None, options=None, tap=False, snapshot_slot=None):
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    kw = dict(fp8=mode, fp8_pow2_scales=pow2, options=options)
+    if op == "attn_res_rmsnorm":
+        return attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, return_mixture=tap,
+                                        snapshot_slot=snapshot_slot, **kw)
+    if op == "attn_res_add_rmsnorm":
+        return attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                            layer_residual_add2=inp.add2, return_mixture=tap,
+                                            snapshot_slot=snapshot_slot, **kw)
+    return attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, inp.block_residual, *w,
+                                                   layer_residual_add=inp.add, **kw)
+
+
+def _bf16_call(op: str, inp, options=None):
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    if op == "attn_res_rmsnorm":
+        return attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, options=options)
+    if op == "attn_res_add_rmsnorm":
+        return attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                            layer_residual_add2=inp.add2, options=options)[1]
+    return attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, inp.block_residual, *w,
+                                                   layer_residual_add=inp.add, options=options)[1]
+
+
+def _check_against_reference(result, mode, pow2, what, bf16_output=None):
+    output, q, s = result[-3], result[-2], result[-1]
+    T, H = output.shape
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (T, H)
+    assert s.dtype == torch.float32 and s.device == output.device
+    if mode == "per_token":
+        assert s.shape == (T, 1)
+    else:
+        assert s.shape == (T, H // 128) and s.stride() == (1, (T + 3) // 4 * 4), s.stride()
+    rq, rs = fp8.quantize(output, mode, pow2)
+    assert_same_bits(q, rq, f"{what}: codes")
+    assert_same_bits(s.contiguous(), rs, f"{what}: scales")
+    if bf16_output is not None:
+        assert_same_bits(output, bf16_output, f"{what}: the bf16 output changed with fp8")
+
+
+OPS = ("attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
+# (T, N, H): H = 1152 splits 128-column groups across split_k's blocks (chunk 72 vectors), 7168 does not; at
+# N <= 4 single_cta lays H = 1152 out as split_k's two chunks in one block (a thread's index is not its vector's).
+SHAPES = [(1, 2, 128), (3, 5, 384), (2, 4, 1152), (8, 9, 1152), (2, 12, 7168)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("mode,pow2", list(itertools.product(MODES, (False, True))))
+def test_matches_quantized_bf16_output(device, op, mode, pow2):
+    shapes = SHAPES if device == "cuda" else SHAPES[:3]
+    for (T, N, H), layout in itertools.product(shapes, ("snapshot_major", "token_major")):
+        addends = {"attn_res_rmsnorm": 0, "attn_res_add_rmsnorm": 2, "attn_res_add_rmsnorm_persistent": 1}[op]
+        inp = make_inputs(T, N, H, layout=layout, addends=addends, seed=T * 31 + N + H, device=device)
+        for kernel, opts in kernel_options(device, op, T, N, H, add=addends > 0, add2=addends > 1, fp8=mode):
+            what = f"{op} {mode} pow2={pow2} T={T} N={N} H={H} {layout} {kernel}"
+            expected_bf16 = _bf16_call(op, inp, opts)
+            _check_against_reference(_call(op, inp, mode, pow2, options=opts), mode, pow2, what, expected_bf16)
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("H,cluster", [(1024, 3), (1024, 8), (1280, 5), (2048, 6), (16384, 8)])
+def test_split_k_groups_across_blocks(mode, H, cluster):
+    """Forced clusters whose chunks do (1024 / 8, 1280 / 5) and do not (1024 / 3, 2048 / 6) align with the
+    128-column groups."""
+    for T, N in ((1, 2), (5, 9), (4, 16)):
+        inp = make_inputs(T, N, H, addends=1, seed=H + cluster + T, device="cuda")
+        opts = attnres.Options(kernel="split_k", cluster=cluster)
+        for pow2 in (False, True):
+            _check_against_reference(_call("attn_res_add_rmsnorm", inp, mode, pow2, options=opts), mode, pow2,
+                                     f"split_k H={H} cluster={cluster} T={T} N={N}",
+                                     _bf16_call("attn_res_add_rmsnorm", inp, opts))
+
+
+@requires_cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_every_vector_bucket(mode):
+    # H = 1152 (chunks of 72 vectors, 3 consumer warps each) and 2560 (chunks of 107, 4 vectors per thread):
+    # 128-column groups straddle two chunks, hence two consumer warps (the shared-memory group reduction).
+    for T, N, H in ((1, 2, 1024), (40, 5, 2048), (7, 9, 7168), (3, 16, 16384), (130, 3, 4096), (5, 4, 1152),
+                    (9, 9, 2560)):
+        inp = make_inputs(T, N, H, addends=1, seed=T + H, device="cuda")
+        for pow2 in (False, True):
+            _check_against_reference(_call("attn_res_add_rmsnorm_persistent", inp, mode, pow2), mode, pow2,
+                                     f"persistent T={T} N={N} H={H}", _bf16_call("attn_res_add_rmsnorm_persistent", inp))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tap_and_snapshot_with_fp8(device):
+    inp = make_inputs(3, 4, 256, addends=2, device=device, seed=5)
+    bank_before = inp.bank_row(inp.spare_slot).clone()
+    r = _call("attn_res_add_rmsnorm", inp, "block128", True, tap=True, snapshot_slot=inp.spare_slot)
+    assert len(r) == 5
+    updated, output, mixture, q, s = r
+    assert_same_bits(inp.bank_row(inp.spare_slot), updated, "snapshot row")
+    assert not torch.equal(bits(bank_before), bits(updated))
+    _check_against_reference((output, q, s), "block128", True, "tap+snapshot")
+    r = _call("attn_res_rmsnorm", inp, "per_token", False, tap=True)
+    assert len(r) == 4
+    _check_against_reference((r[0], r[2], r[3]), "per_token", False, "rmsnorm tap")
+
+
+# ---------------------------------------------------------------------------------------- boundary cases
+def _boundary_inputs(device, columns: torch.Tensor):
+    """A call whose bf16 output is exactly `columns` ([T, H] bf16): N = 1 (the mixture is the prefix), a
+    prefix of ones and norm_eps = 0 (r = 1, normed = 1), so output = norm_weight... per token: the rows of
+    `columns` become the norm weights of separate calls."""
+    T, H = columns.shape
+    inp = make_inputs(1, 1, H, device=device, norm_eps=0.0)
+    inp.layer_residual.fill_(1.0)
+    return inp
+
+
+def _boundary_groups() -> list[torch.Tensor]:
+    """128-element bf16 groups: all zero, subnormal amax, amax at 448 * 2^k and one bf16 ulp either side, a
+    group whose maximum scales to exactly +-448, mixed magnitudes down to e4m3 subnormals, signed zeros."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(128, generator=g)
+    groups = [torch.zeros(128), torch.full((128,), -0.0)]
+    sub = torch.tensor(2.0 ** -130)
+    groups.append(base.sign() * sub)
+    for k in (-30, -7, -1, 0, 1, 9, 60):
+        amax = torch.tensor(448.0 * 2.0 ** k, dtype=BF16)
+        for a in (amax, torch.nextafter(amax, torch.tensor(0.0, dtype=BF16)),
+                  torch.nextafter(amax, torch.tensor(math.inf, dtype=BF16))):
+            x = (base / base.abs().max() * a.float() * 0.999)
+            x[3] = a.float()
+            x[9] = -a.float()
+            groups.append(x)
+    x = base * torch.logspace(-12, 0, 128, base=2.0)
+    groups.append(x)
+    return [gr.to(BF16) for gr in groups]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+def test_scale_boundaries(device, mode):
+    groups = _boundary_groups()
+    for pow2 in (False, True):
+        for i in range(0, len(groups), 4):
+            row = torch.cat(groups[i:i + 4])  # up to 4 groups of 128 columns in one token
+            H = row.numel()
+            inp = make_inputs(1, 1, H, device=device, norm_eps=0.0)
+            inp.layer_residual.fill_(1.0)
+            inp.norm_weight.copy_(row)
+            r = _call("attn_res_rmsnorm", inp, mode, pow2)
+            assert_same_bits(r[0], row.reshape(1, H).to(device), "the output is the constructed row")
+            _check_against_reference(r, mode, pow2, f"boundary groups {i}..{i + 3} pow2={pow2}")
+            q = r[1].view(torch.uint8).cpu()
+            if mode == "block128":
+                s = r[2].cpu()
+                for j, gr in enumerate(groups[i:i + 4]):
+                    amax = gr.float().abs().max()
+                    if amax > 1e-10 and not pow2:
+                        # the group's maximum scales to 448 (or within one rounding of it): code 0x7E
+                        assert (q[0, j * 128:(j + 1) * 128] & 0x7F).max() == 0x7E, (i, j)
+                    if amax == 0 and not pow2:
+                        assert s[0, j] == torch.tensor(1e-10) / torch.tensor(448.0)
+                    if amax == 0 and pow2:
+                        assert s[0, j] == 2.0 ** -42  # 1e-10 / 448 = 1.95 * 2^-43, rounded up
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", MODES)
+def test_non_finite_groups(device, mode):
+    """A NaN in a group: scale NaN (0x7FC00000), every code 0x7F. An inf: scale inf, finite codes +-0,
+    the inf itself 0x7F (inf / inf). Other groups are unaffected (block128)."""
+    H = 256
+    row = torch.linspace(-3, 3, H)
+    row[5] = float("nan")
+    row[200] = float("inf")
+    for pow2 in (False, True):
+        inp = make_inputs(1, 1, H, device=device, norm_eps=0.0)
+        inp.layer_residual.fill_(1.0)
+        inp.norm_weight.copy_(row.to(BF16))
+        r = _call("attn_res_rmsnorm", inp, mode, pow2)
+        _check_against_reference(r, mode, pow2, f"non-finite pow2={pow2}")
+        q, s = r[1].view(torch.uint8).cpu(), r[2].cpu().contiguous()
+        assert s[0, 0].view(torch.int32) == 0x7FC00000
+        assert (q[0, :128] == 0x7F).all()
+        if mode == "block128":
+            assert math.isinf(float(s[0, 1]))
+            assert q[0, 200] == 0x7F
+            others = torch.cat([q[0, 128:200], q[0, 201:]])
+            assert ((others == 0x00) | (others == 0x80)).all()
+
+
+# ---------------------------------------------------------------------------------------------- rejections
+@pytest.mark.parametrize("device", DEVICES)
+def test_rejections_write_nothing(device):
+    inp = make_inputs(2, 3, 200, addends=1, device=device)  # H = 200: not a multiple of 128
+    before = inp.storage_snapshot()
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    cases = [
+        (lambda: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8="block128"),
+         "attn_res_rmsnorm: fp8 = block128 needs the hidden size H to be a multiple of 128, got H = "),
+        (lambda: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8="fp8"), "fp8 must be"),
+        (lambda: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                              fp8_pow2_scales=True), "fp8_pow2_scales requires"),
+        (lambda: attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, inp.block_residual, *w,
+                                                         fp8="block128"), "multiple of 128"),
+        (lambda: torch.ops.attnres.attn_res_rmsnorm_fp8(inp.layer_residual, inp.block_residual, *w, False,
+                                                        "block128"), "multiple of 128"),
+        (lambda: torch.ops.attnres.attn_res_add_rmsnorm_fp8(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                            *w, False, "per_tensor"), "fp8 must be"),
+    ]
+    for call, message in cases:
+        with pytest.raises(attnres.ArgumentError, match=message):
+            call()
+    for name, buf in inp.storage_snapshot().items():
+        assert torch.equal(bits(buf), bits(before[name])), name
+
+
+def test_cpp_rejections_of_fp8_tensors():
+    """The C++ validation, reached through attnres._C with hand-built arguments: attn_res cannot emit FP8,
+    wrong dtype, shape and block128 strides are named."""
+    from attnres import _C
+    from attnres._tensors import ref
+
+    T, H = 3, 256
+    inp = make_inputs(T, 2, H)
+    out = torch.empty(T, H, dtype=BF16)
+    q = torch.empty(T, H, dtype=torch.float8_e4m3fn)
+
+    def args(mode, scales, codes=q):
+        a = _C.AttnResArgs()
+        for key, t in (("layer_residual", inp.layer_residual), ("block_residual", inp.block_residual),
+                       ("res_weight", inp.res_weight), ("rms_weight", inp.rms_weight),
+                       ("norm_weight", inp.norm_weight), ("output", out)):
+            setattr(a, key, ref(t, "t", key))
+        a.fp8 = getattr(_C.Fp8Scales, mode)
+        a.output_fp8 = ref(codes, "t", "output_fp8")
+        a.fp8_scales = ref(scales, "t", "fp8_scales")
+        return a
+
+    good = fp8.empty_scales("block128", T, H, "cpu")
+    _C.validate(_C.AttnResOp.attn_res_rmsnorm, args("block128", good))
+    bad = [
+        (args("block128", torch.empty(T, 2)), "^attn_res_rmsnorm: fp8_scales must be column-major over tokens with the token stride padded"),
+        (args("block128", torch.empty_strided((T, 2), (1, T))), "^attn_res_rmsnorm: fp8_scales must be column-major over tokens"),
+        (args("block128", torch.empty(T, 3)), "shape"),
+        (args("per_token", torch.empty(T, 2)), r"\[T, 1\]"),
+        (args("per_token", torch.empty(T, 1, dtype=torch.float64)), "float32"),
+        (args("per_token", torch.empty(T, 1), torch.empty(T, H, dtype=torch.uint8)), "float8_e4m3fn"),
+        (args("per_token", torch.empty(T, 1), torch.empty(T, H + 8, dtype=torch.float8_e4m3fn)), "output_fp8"),
+    ]
+    for a, message in bad:
+        with pytest.raises(attnres.ArgumentError, match=message):
+            _C.validate(_C.AttnResOp.attn_res_rmsnorm, a)
+    a = args("per_token", torch.empty(T, 1))
+    a.norm_weight = _C.TensorRef()
+    with pytest.raises(attnres.ArgumentError, match="attn_res has no normed output"):
+        _C.validate(_C.AttnResOp.attn_res, a)
+    a = args("per_token", torch.empty(T, 1))
+    a.fp8 = _C.Fp8Scales.none
+    with pytest.raises(attnres.ArgumentError, match="^attn_res_rmsnorm: output_fp8 requires fp8 = per_token or block128"):
+        _C.validate(_C.AttnResOp.attn_res_rmsnorm, a)
+    a = args("per_token", good[:, :1].contiguous())
+    a.output_fp8 = _C.TensorRef()
+    with pytest.raises(attnres.ArgumentError, match="^attn_res_rmsnorm: output_fp8 is required with fp8 = "):
+        _C.validate(_C.AttnResOp.attn_res_rmsnorm, a)
+
+
+def test_plan_declines_what_the_ops_reject():
+    assert not attnres.plan("attn_res", tokens=1, candidates=2, hidden=256, fp8="per_token").accepted
+    assert not attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=200, fp8="block128").accepted
+    assert not attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=256, fp8_pow2_scales=True).accepted
+    assert attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=256, fp8="block128").accepted
+    with pytest.raises(ValueError, match="^attnres.plan: fp8 must be one of "):
+        attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=256, fp8="x")
+
+
+# ------------------------------------------------------------------------------------- torch.ops, compile
+@pytest.mark.parametrize("mode", MODES)
+def test_fake_shapes_and_strides(mode):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    T, H = 5, 384
+    inp = make_inputs(T, 3, H, addends=1)
+    real = torch.ops.attnres.attn_res_add_rmsnorm_fp8(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                      inp.res_weight, inp.rms_weight, inp.norm_weight, 1e-5, 1e-5,
+                                                      False, mode)
+    with FakeTensorMode() as m:
+        args = [m.from_tensor(t) for t in (inp.layer_residual, inp.add, inp.block_residual, inp.res_weight,
+                                            inp.rms_weight, inp.norm_weight)]
+        fake = torch.ops.attnres.attn_res_add_rmsnorm_fp8(args[0], args[1], None, *args[2:], 1e-5, 1e-5, False,
+                                                          mode)
+        fake_rms = torch.ops.attnres.attn_res_rmsnorm_fp8(args[0], args[2], *args[3:], 1e-5, 1e-5, False, mode)
+    for r, f in zip(real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
+    assert fake_rms[3].stride() == real[4].stride() and fake_rms[2].dtype == torch.float8_e4m3fn
+
+
+def test_compiled_matches_eager():
+    inp = make_inputs(4, 3, 256, addends=1, seed=3)
+
+    def f(lr, add, bank, a, b, c):
+        return attnres.attn_res_add_rmsnorm(lr, add, bank, a, b, c, 1e-5, 1e-5, fp8="block128", fp8_pow2_scales=True)
+
+    args = (inp.layer_residual, inp.add, inp.block_residual, inp.res_weight, inp.rms_weight, inp.norm_weight)
+    eager = f(*args)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(*args)
+    for e, c in zip(eager, compiled):
+        assert_same_bits(c.contiguous(), e.contiguous(), "compiled")
+    assert compiled[3].stride() == eager[3].stride()
+
+
+# ------------------------------------------------------------------------------------- graphs and PDL (GPU)
+@requires_cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_graph_replay_and_pdl_chain(mode):
+    """A chain of FP8 ops (each reading the previous op's updated prefix) captured in one CUDA graph, with
+    PDL, replayed on fresh inputs: every op's codes and scales equal the quantized bf16 output of an eager
+    run of the same chain."""
+    T, N, H = 4, 9, 7168
+    inp = make_inputs(T, N, H, addends=1, seed=11, device="cuda")
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    prefix = inp.layer_residual.clone()
+
+    def chain():
+        p, outs = prefix, []
+        for step in range(3):
+            updated, output, q, s = attnres.attn_res_add_rmsnorm(p, inp.add, inp.block_residual, *w, fp8=mode,
+                                                                 fp8_pow2_scales=step % 2 == 1)
+            outs.append((output, q, s))
+            p = updated
+        return outs
+
+    chain()  # warm-up (instances, attributes)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = chain()
+    for trial in range(2):
+        prefix.copy_(make_inputs(T, N, H, addends=1, seed=100 + trial, device="cuda").layer_residual)
+        for o, q, s in captured:
+            poison_(o)
+            q.view(torch.uint8).fill_(0x55)
+            s.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        eager = chain()
+        for step, ((o, q, s), (eo, eq, es)) in enumerate(zip(captured, eager)):
+            assert_same_bits(o, eo, f"replay {trial} step {step}: output")
+            assert_same_bits(q, eq, f"replay {trial} step {step}: codes")
+            rq, rs = fp8.quantize(o, mode, step % 2 == 1)
+            assert_same_bits(q, rq, f"replay {trial} step {step}: codes vs reference")
+            assert_same_bits(s.contiguous(), rs, f"replay {trial} step {step}: scales vs reference")
