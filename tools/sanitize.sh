@@ -81,7 +81,7 @@ has_opt "--require-cuda-init" && COMMON+=(--require-cuda-init no)
 if [[ -n ${SANITIZE_KERNEL_FILTER:-} ]]; then
   KFILTER=$SANITIZE_KERNEL_FILTER
 elif has_opt "kernel_regex"; then
-  KFILTER="kernel_regex=.*(attn_res_per_token|attn_res_persistent|moe_finalize).*"  # a search or a full match
+  KFILTER="kernel_regex=.*(attn_res_per_token|attn_res_persistent|moe_finalize|all_reduce).*"  # a search or a full match
 else
   KFILTER=none
 fi
@@ -118,17 +118,21 @@ k_main() {  # $1 size
   # and the decline path always, the oracle grid's T = 33 and T = 300 cases from medium up.
   local persistent="subnormal_sums or add2_is_declined"
   [[ $1 != small ]] && persistent="$persistent or (against_the_oracle and (T33 or T300))"
-  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)) or (test_persistent and ($persistent)))"
+  # The one-shot all-reduce (an in-process world of ranks on one GPU) and the FP8 epilogue, every size.
+  local allreduce="(test_all_reduce and cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce_contract))"
+  local fp8="(test_fp8 and ((matches_quantized_bf16_output and cuda) or split_k_groups_across_blocks or persistent_every_vector_bucket))"
+  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)) or (test_persistent and ($persistent)) or $allreduce or $fp8)"
 }
 k_graph() {
   case $1 in
-    small) echo "(test_cuda_graphs_pdl and (1-5-7168 or newest_bank_row and 1-7168)) or (test_moe_finalize and graph)" ;;
+    small) echo "(test_cuda_graphs_pdl and (1-5-7168 or newest_bank_row and 1-7168)) or (test_moe_finalize and graph) or (test_pdl_release and (split_k-per_token or persistent-finalize+per_token))" ;;
     large) echo "test_cuda_graphs_pdl or (test_moe_finalize and graph) or (test_stress and cuda)" ;;
     *) echo "(test_cuda_graphs_pdl and (1-5-7168 or 8-3-2304 or newest_bank_row or first_call_inside or callers_stream)) or (test_moe_finalize and graph) or (test_stress and calls_on_cuda_streams)" ;;
   esac
 }
-MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py tests/test_persistent.py)
-GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py)
+MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py tests/test_persistent.py
+  tests/test_all_reduce.py tests/test_fp8.py)
+GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py tests/test_pdl_release.py)
 GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
 # racecheck, synccheck and initcheck run a focused gtest set (every kernel family and mode: decode add, token-major
 # add2, the small padded case with its one-block cluster, PDL/graph determinism, the persistent ring): the full
