@@ -315,10 +315,11 @@ def test_settings_reject(bad):
 def test_settings_from_knobs_maps_every_field():
     from attnres.knobs import Knobs
     k = Knobs(moe_tail_add_fold=True, fused_attn_res=False, fused_attn_res_max_tokens=9, attn_res_topology="split",
-              aux_attn_res_stream=False, moe_finalize_max_tokens=2, moe_finalize_allreduce_max_tokens=2,
-              fused_all_reduce=True)
+              aux_attn_res_stream=False, attn_res_fp8="block128_pow2", moe_finalize_max_tokens=2,
+              moe_finalize_allreduce_max_tokens=2, fused_all_reduce=True)
     s = ResidualSettings.from_knobs(k)
     assert (s.fold, s.fused, s.max_tokens, s.topology, s.aux_stream) == (True, False, 9, "split", False)
+    assert (s.fp8, s.fp8_pow2) == ("block128", True)
     assert s.options == attnres.Options(topology="split", split_max_tokens=9)
     assert ResidualSettings.from_knobs(k, fold=False).fold is False
 

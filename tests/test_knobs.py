@@ -27,6 +27,7 @@ EXPECTED = {  # name -> (default, kind-specific domain): pins the table of docs/
     "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": (32, (0, 16384)),
     "KIMI_K3_ATTN_RES_TOPOLOGY": ("auto", ("auto", "per_token", "persistent", "split")),
     "KIMI_K3_AUX_ATTN_RES_STREAM": (True, None),
+    "KIMI_K3_ATTN_RES_FP8": ("none", ("none", "per_token", "block128", "per_token_pow2", "block128_pow2")),
     "ATTNRES_MOE_FINALIZE_MAX_TOKENS": (16, (0, 16)),
     "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS": (16, (0, 16)),
     "ATTNRES_FUSED_ALL_REDUCE": (True, None),
@@ -141,10 +142,12 @@ def test_word_garbage_raises_naming_the_words(k, raw):
 def test_load_reads_every_knob_from_one_mapping():
     env = {"KIMI_K3_MOE_TAIL_ADD_FOLD": "1", "KIMI_K3_FUSED_ATTN_RES": "0",
            "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": "7", "KIMI_K3_ATTN_RES_TOPOLOGY": "split",
-           "KIMI_K3_AUX_ATTN_RES_STREAM": "0", "ATTNRES_MOE_FINALIZE_MAX_TOKENS": "16",
+           "KIMI_K3_AUX_ATTN_RES_STREAM": "0", "KIMI_K3_ATTN_RES_FP8": "block128_pow2",
+           "ATTNRES_MOE_FINALIZE_MAX_TOKENS": "16",
            "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS": "3", "ATTNRES_FUSED_ALL_REDUCE": "0", "UNRELATED": "garbage"}
     assert knobs.load(env) == knobs.Knobs(moe_tail_add_fold=True, fused_attn_res=False, fused_attn_res_max_tokens=7,
                                           attn_res_topology="split", aux_attn_res_stream=False,
+                                          attn_res_fp8="block128_pow2",
                                           moe_finalize_max_tokens=16, moe_finalize_allreduce_max_tokens=3,
                                           fused_all_reduce=False)
 

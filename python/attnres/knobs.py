@@ -95,6 +95,9 @@ KNOBS = (
     WordKnob("KIMI_K3_ATTN_RES_TOPOLOGY", "auto", ("auto", "per_token", "persistent", "split"),
              "kernel topology of the fused sites"),
     BoolKnob("KIMI_K3_AUX_ATTN_RES_STREAM", True, "what a capture tap holds: 1 the pre-norm mixture, 0 the raw prefix"),
+    # One word for mode and pow2 together, so that no combination of knobs can ask for pow2 without a mode.
+    WordKnob("KIMI_K3_ATTN_RES_FP8", "none", ("none", "per_token", "block128", "per_token_pow2", "block128_pow2"),
+             "FP8 e4m3 output (and scales) of the sites that feed a projection GEMM: pre-attention and pre-MLP"),
     # Default 16 (the top of the range), chosen by the same-run interleaved A/B of bench_results/h200_4aed4f9.json:
     # the fused finalize took 4.9-5.5 us against 60-73 us for the unfused PyTorch sequence at every T in 1..16
     # (k = 16, D = 3584), so no token count inside the range prefers the unfused path (the seed's 2 was
@@ -116,6 +119,7 @@ class Knobs:
     fused_attn_res_max_tokens: int
     attn_res_topology: str
     aux_attn_res_stream: bool
+    attn_res_fp8: str
     moe_finalize_max_tokens: int
     moe_finalize_allreduce_max_tokens: int
     fused_all_reduce: bool
@@ -127,6 +131,7 @@ _FIELDS = {
     "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": "fused_attn_res_max_tokens",
     "KIMI_K3_ATTN_RES_TOPOLOGY": "attn_res_topology",
     "KIMI_K3_AUX_ATTN_RES_STREAM": "aux_attn_res_stream",
+    "KIMI_K3_ATTN_RES_FP8": "attn_res_fp8",
     "ATTNRES_MOE_FINALIZE_MAX_TOKENS": "moe_finalize_max_tokens",
     "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS": "moe_finalize_allreduce_max_tokens",
     "ATTNRES_FUSED_ALL_REDUCE": "fused_all_reduce",

@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import chain, decode, finalize, floors, guard, persistent, results, tp, tune
+from . import chain, decode, finalize, floors, fp8, guard, persistent, results, tp, tune
 
 
 def _progress_printer():
@@ -38,6 +38,8 @@ SUITES = {
                   "12}, with and without the addend (about 3 minutes; not part of 'all'; --hidden sets H)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
+    "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
+           "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all')",
     "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
     "all": "floors, decode, tune, finalize and chain",
     "plot": "draw the PNGs of existing results files (--out, comma-separated) into --plots (no GPU needed)",
@@ -76,6 +78,8 @@ def parser() -> argparse.ArgumentParser:
                         "so that a failure there cannot take the chain's numbers with it")
     t.add_argument("--symm-mem", action="store_true",
                    help="also time torch's symmetric-memory one-shot all-reduce (P2P over NVLink, no multicast)")
+    f = p.add_argument_group("fp8")
+    f.add_argument("--pow2", action="store_true", help="fp8: power-of-two scales (fp8_pow2_scales=True)")
     g = p.add_argument_group("guard")
     g.add_argument("--baseline", default=None,
                    help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
@@ -130,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite in ("chain", "all"):
             records += chain.run(tokens=chain_tokens, device="cuda", config=chain_config, pdl=not args.no_pdl,
                                  repeats=args.repeats, progress=progress)
+        if args.suite == "fp8":
+            records += fp8.run(quick=args.quick, options=attnres.Options(pdl=not args.no_pdl), progress=progress,
+                               repeats=args.repeats, pow2=args.pow2)
         if args.suite == "persistent":
             copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
             extra.setdefault("floors", {})["copy_tbs"] = copy_tbs
@@ -154,9 +161,20 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in persistent.summary(records):
         print(line)
+    for line in fp8.summary(records):
+        print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")
-    return 0 if _chains_agree(records) and not extra.get("interrupted") else 1
+    return 0 if _chains_agree(records) and _fp8_agrees(records) and not extra.get("interrupted") else 1
+
+
+def _fp8_agrees(records: list[dict]) -> bool:
+    """The fp8 suite's correctness check (fused codes and scales = the reference quantization), on stderr."""
+    bad = sorted({(r["T"], r["N"], r["mode"]) for r in records
+                  if r.get("suite") == "fp8" and r.get("bitwise_equal") is False})
+    if bad:
+        print(f"fp8: the fused FP8 output DIFFERS from quantize(output) at (T, N, mode) = {bad}", file=sys.stderr)
+    return not bad
 
 
 def _chains_agree(records: list[dict]) -> bool:

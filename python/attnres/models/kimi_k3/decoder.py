@@ -10,6 +10,9 @@ sequence, with stand-in sub-layers. Per layer L (prefix P, S snapshots in the ba
    (P, y) = attn_res_add_rmsnorm(P, a, bank[:S]);
 5. m = mlp(y) — on MoE layers routed + shared, or with the fold a pending tail (P, routed, shared);
 6. P = P + m. After the last layer: out = norm(AttnRes(P, bank[:Kmax])).
+
+With ResidualSettings.fp8 the pre-attention and pre-MLP sites (inputs of the attention and MLP projections)
+also produce x and y quantized to e4m3 (SiteResult.fp8, traced); the stand-in sub-layers consume the bf16 x, y.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from torch import Tensor
 
 from .config import KimiK3Config
 from .residual import (DEFER, BF16, PathRecord, PendingPartial, PendingTail, ResidualSettings, SiteWeights, SnapshotBank,
-                       attn_res_add_site, attn_res_site, reduced, tail_route)
+                       attn_res_add_site, attn_res_site, check_fp8_hidden, reduced, tail_route)
 from .sublayers import StandInAttention, StandInDenseMLP, StandInMoE, WeightPool
 from .trace import ChainTrace
 
@@ -62,12 +65,12 @@ class DecodeStep:
         tap_layer = cfg.tap_layer_at(layer)
         site = attn_res_site(carried, self.bank, self.num_snapshots, w, self.settings, site=name,
                              mixture=tap_layer is not None and self.settings.aux_stream, snapshot=snapshot,
-                             record=self.record)
+                             fp8=True, record=self.record)
         if snapshot:
             self.num_snapshots += 1
         tap = self._tap(tap_layer, site) if tap_layer is not None else None
         if self.trace is not None:
-            self.trace.site(name, site.prefix, site.output, tap)
+            self.trace.site(name, site.prefix, site.output, tap, fp8=site.fp8)
         return site.prefix, site.output
 
     def pre_mlp(self, layer: int, prefix: Tensor, attn_out: Tensor | PendingPartial, w: SiteWeights) -> tuple[Tensor, Tensor]:
@@ -75,11 +78,13 @@ class DecodeStep:
         k = self.num_snapshots
         if self.config.is_snapshot_layer(layer):
             # The prefix restarted at the snapshot: the attention output is the whole new prefix.
-            site = attn_res_site(reduced(attn_out), self.bank, k, w, self.settings, site=name, record=self.record)
+            site = attn_res_site(reduced(attn_out), self.bank, k, w, self.settings, site=name, fp8=True,
+                                 record=self.record)
         else:
-            site = attn_res_add_site(prefix, attn_out, self.bank, k, w, self.settings, site=name, record=self.record)
+            site = attn_res_add_site(prefix, attn_out, self.bank, k, w, self.settings, site=name, fp8=True,
+                                     record=self.record)
         if self.trace is not None:
-            self.trace.site(name, site.prefix, site.output)
+            self.trace.site(name, site.prefix, site.output, fp8=site.fp8)
         return site.prefix, site.output
 
     def moe_tail(self, layer: int, prefix: Tensor, moe: StandInMoE, y: Tensor) -> Tensor | PendingTail:
@@ -173,6 +178,7 @@ class KimiK3Model:
                 t.shape != first.shape or t.dtype != first.dtype or t.device != first.device for t in hidden_states):
             raise ValueError("KimiK3Model: a pending input's prefix, routed and shared must agree in shape, dtype "
                              "and device")
+        check_fp8_hidden(self.settings, cfg.hidden_size)
         T = first.shape[0]
         if bank is None:
             bank = self.allocate_bank(T)

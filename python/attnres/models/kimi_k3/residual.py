@@ -11,6 +11,13 @@ no-add op on the same kernel; the op's contract makes `attn_res_add_rmsnorm(pref
 equal, bit for bit, `attn_res_rmsnorm(prefix + (routed + shared))`. Everywhere else the tail is materialized
 first by the same two bf16 adds the eager chain does, and the site then runs exactly the code the fold-off
 chain runs.
+
+FP8 outputs (ResidualSettings.fp8): the sites whose output feeds a projection GEMM (pre-attention and pre-MLP)
+also return that output quantized to e4m3 with its scales. Where the site's op is a fused attnres op the plan
+takes with fp8, the op emits them in the same launch; elsewhere (the plain RMSNorm, the eager path, the TP
+all-reduce ops) attnres.fp8.quantize of the bf16 output does, into the same scales layout. Either way they are
+the bits quantize(output) gives, and `output` itself is the bits it is without FP8 (the ops' contract), so the
+bf16 chain and the fold guarantee are unchanged.
 """
 
 from __future__ import annotations
@@ -18,13 +25,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
 import attnres
+from attnres import fp8 as _fp8
 from attnres import knobs as _knobs
 from attnres.options import TOPOLOGIES, Options
 
@@ -58,6 +66,11 @@ DTYPE = "dtype"  # the tail is not bf16
 HIDDEN = "hidden"  # H outside the ops' range
 
 SITE_KINDS = ("pre_attn", "pre_mlp", "moe_tail", "output")
+FP8_SITE_KINDS = ("pre_attn", "pre_mlp")  # their outputs feed the attention / MLP input projections
+
+# Who produced a site's FP8 output (SitePath.fp8).
+FP8_FUSED = "fused"  # the site's own fused op (fp8=), same launch
+FP8_REFERENCE = "reference"  # attnres.fp8.quantize of the bf16 output: the site's path has no FP8 epilogue
 
 
 # ------------------------------------------------------------------------------------------------ settings
@@ -75,8 +88,14 @@ class ResidualSettings:
     pdl: bool = True
     kernel_emits_tap: bool = True  # attnres kernels emit the tap; False models a kernel that cannot
     fold_max_candidates: int = MAX_CANDIDATES  # the fold's per-token N limit
+    fp8: str | None = None  # KIMI_K3_ATTN_RES_FP8: None, "per_token" or "block128" at the FP8_SITE_KINDS sites
+    fp8_pow2: bool = False  # KIMI_K3_ATTN_RES_FP8 = *_pow2: power-of-two scales
 
     def __post_init__(self):
+        if self.fp8 is not None and self.fp8 not in _fp8.MODES:
+            raise ValueError(f"ResidualSettings.fp8 must be None or one of {_fp8.MODES}, got {self.fp8!r}")
+        if self.fp8_pow2 and self.fp8 is None:
+            raise ValueError("ResidualSettings.fp8_pow2 requires fp8 = per_token or block128")
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"ResidualSettings.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -89,8 +108,10 @@ class ResidualSettings:
     @classmethod
     def from_knobs(cls, knobs: _knobs.Knobs | None = None, **overrides) -> "ResidualSettings":
         k = knobs or _knobs.CURRENT
+        mode = k.attn_res_fp8.removesuffix("_pow2")
         kw = dict(fold=k.moe_tail_add_fold, fused=k.fused_attn_res, max_tokens=k.fused_attn_res_max_tokens,
-                  topology=k.attn_res_topology, aux_stream=k.aux_attn_res_stream)
+                  topology=k.attn_res_topology, aux_stream=k.aux_attn_res_stream,
+                  fp8=None if mode == "none" else mode, fp8_pow2=k.attn_res_fp8.endswith("_pow2"))
         kw.update(overrides)
         return cls(**kw)
 
@@ -117,9 +138,9 @@ class ResidualSettings:
 # ------------------------------------------------------------------------------------------------ plan
 @functools.lru_cache(maxsize=8192)
 def _plan(op: str, tokens: int, candidates: int, hidden: int, device: str, add: bool, add2: bool, tap: bool,
-          snapshot: bool, options: Options) -> attnres.PlanInfo:
+          snapshot: bool, options: Options, fp8: str | None = None, fp8_pow2: bool = False) -> attnres.PlanInfo:
     return attnres.plan(op, tokens=tokens, candidates=candidates, hidden=hidden, device=device, add=add,
-                        add2=add2, tap=tap, snapshot=snapshot, options=options)
+                        add2=add2, tap=tap, snapshot=snapshot, fp8=fp8, fp8_pow2_scales=fp8_pow2, options=options)
 
 
 def _device_key(device) -> str:
@@ -213,6 +234,7 @@ class SitePath:
     candidates: int
     kernel: str = ""
     reason: str = ""
+    fp8: str = ""  # FP8_FUSED or FP8_REFERENCE where the site returned an FP8 output
 
     @property
     def kind(self) -> str:
@@ -239,14 +261,27 @@ class PathRecord:
                       f", kernel {route.kernel}" if route.kernel else "", f", {route.reason}" if route.reason else "",
                       f": {route.detail}" if route.detail else "")
 
+    def add_fp8(self, site: str, source: str) -> None:
+        """Marks the site's last entry (the path it ran) with who produced its FP8 output."""
+        if self.keep:
+            for i in range(len(self.entries) - 1, -1, -1):
+                if self.entries[i].site == site:
+                    self.entries[i] = replace(self.entries[i], fp8=source)
+                    break
+        key = (site, "fp8:" + source, 0, 0)
+        if key not in self._logged:
+            self._logged.add(key)
+            log.debug("%s: fp8 output from %s", site, source)
+
     def clear(self) -> None:
         self.entries.clear()
 
     def select(self, *, path: str | None = None, reason: str | None = None, kind: str | None = None,
-               site: str | None = None) -> list[SitePath]:
+               site: str | None = None, fp8: str | None = None) -> list[SitePath]:
         return [e for e in self.entries
                 if (path is None or e.path == path) and (reason is None or e.reason == reason)
-                and (kind is None or e.kind == kind) and (site is None or e.site == site)]
+                and (kind is None or e.kind == kind) and (site is None or e.site == site)
+                and (fp8 is None or e.fp8 == fp8)]
 
     def summary(self) -> Counter:
         """Count of (site kind, path, kernel, reason)."""
@@ -356,11 +391,64 @@ def eager_attn_res_rmsnorm(prefix: Tensor, candidates: Tensor, w: SiteWeights,
     return rmsnorm(mixture, w.norm_weight, w.norm_eps), mixture
 
 
+class Fp8Output(NamedTuple):
+    """A site's output for an FP8 GEMM: codes [T, H] float8_e4m3fn and fp32 scales in the ops' layout
+    (attnres.fp8.empty_scales: per_token [T, 1]; block128 [T, H / 128] column-major, token stride padded to 4)."""
+
+    codes: Tensor
+    scales: Tensor
+    source: str  # FP8_FUSED or FP8_REFERENCE
+
+
 class SiteResult(NamedTuple):
     prefix: Tensor  # the materialized prefix the site mixed (what is carried on / written to the bank)
     output: Tensor  # the normed output fed to the sub-layer (or the model output)
     mixture: Tensor | None  # the pre-norm mixture, when asked for
     route: Route
+    fp8: Fp8Output | None = None  # with fp8: output quantized (settings.fp8), at the sites that asked for it
+
+
+def check_fp8_hidden(settings: ResidualSettings, hidden: int) -> None:
+    """block128 groups 128 columns: H must be a multiple of 128 (the FP8 GEMM's K-blocking needs it too)."""
+    if settings.fp8 == "block128" and hidden % _fp8.GROUP:
+        raise ValueError(f"ResidualSettings.fp8 = block128 needs H a multiple of {_fp8.GROUP}, got H = {hidden}")
+
+
+def reference_fp8(output: Tensor, settings: ResidualSettings) -> Fp8Output:
+    """attnres.fp8.quantize of a bf16 output, its scales copied into the layout the fused ops write."""
+    T, H = output.shape
+    check_fp8_hidden(settings, H)
+    codes, scales = _fp8.quantize(output, settings.fp8, settings.fp8_pow2)
+    laid_out = _fp8.empty_scales(settings.fp8, T, H, output.device)
+    laid_out.copy_(scales)
+    return Fp8Output(codes, laid_out, FP8_REFERENCE)
+
+
+def _fp8_kw(settings: ResidualSettings, in_op: bool) -> dict:
+    return dict(fp8=settings.fp8, fp8_pow2_scales=settings.fp8_pow2) if in_op else {}
+
+
+def _fp8_in_op(settings: ResidualSettings, route: Route, op: str, tokens: int, candidates: int, hidden: int,
+               device, *, add: bool = False, add2: bool = False, tap: bool = False, snapshot: bool = False) -> bool:
+    """Whether the site's fused op emits the FP8 output itself: the plan takes the same call with fp8 on the
+    kernel the site runs (so `output` stays the bits of the route the fp8-off chain takes)."""
+    if settings.fp8 is None:
+        return False
+    check_fp8_hidden(settings, hidden)
+    p = _plan(op, tokens, candidates, hidden, _device_key(device), add, add2, tap, snapshot, settings.options,
+              settings.fp8, settings.fp8_pow2)
+    return p.accepted and p.kernel == route.kernel
+
+
+def _with_fp8(result: SiteResult, fused: tuple | None, settings: ResidualSettings, want: bool, site: str,
+              record: PathRecord | None) -> SiteResult:
+    """Attaches the site's FP8 output: the op's own (codes, scales) when it emitted them, else the reference."""
+    if not want or settings.fp8 is None:
+        return result
+    fp8 = Fp8Output(fused[0], fused[1], FP8_FUSED) if fused is not None else reference_fp8(result.output, settings)
+    if record is not None:
+        record.add_fp8(site, fp8.source)
+    return result._replace(fp8=fp8)
 
 
 def _snapshot_in_op(settings: ResidualSettings, route: Route, tokens: int, candidates: int, hidden: int,
@@ -378,29 +466,32 @@ def _snapshot_in_op(settings: ResidualSettings, route: Route, tokens: int, candi
 
 
 def _run_unchanged(prefix: Tensor, bank: SnapshotBank, k: int, w: SiteWeights, settings: ResidualSettings,
-                   route: Route, mixture: bool, snapshot_slot: int | None = None) -> tuple[Tensor, Tensor | None]:
-    """(output, mixture) of a materialized prefix through `route` (RMSNORM, FUSED or EAGER); with snapshot_slot
-    (FUSED and EAGER only) the op also writes the prefix into that bank row."""
+                   route: Route, mixture: bool, snapshot_slot: int | None = None, fp8_in_op: bool = False
+                   ) -> tuple[Tensor, Tensor | None, tuple | None]:
+    """(output, mixture, (output_fp8, scales) or None) of a materialized prefix through `route` (RMSNORM, FUSED
+    or EAGER); with snapshot_slot (FUSED and EAGER only) the op also writes the prefix into that bank row; with
+    fp8_in_op (FUSED only) the op also emits the FP8 output."""
     if route.path == RMSNORM:
-        return rmsnorm(prefix, w.norm_weight, w.norm_eps), (prefix if mixture else None)  # N = 1: mixture = P
+        return rmsnorm(prefix, w.norm_weight, w.norm_eps), (prefix if mixture else None), None  # N = 1: mixture = P
     cand = bank.candidates(k)
     if route.path == FUSED:
-        if mixture:
-            return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), return_mixture=True, snapshot_slot=snapshot_slot,
-                                            options=settings.options)
-        return attnres.attn_res_rmsnorm(prefix, cand, *w.args(), snapshot_slot=snapshot_slot,
-                                        options=settings.options), None
+        out = attnres.attn_res_rmsnorm(prefix, cand, *w.args(), return_mixture=mixture, snapshot_slot=snapshot_slot,
+                                       **_fp8_kw(settings, fp8_in_op), options=settings.options)
+        out = out if isinstance(out, tuple) else (out,)
+        return out[0], (out[1] if mixture else None), (out[-2:] if fp8_in_op else None)
     mix = attnres.attn_res(prefix, cand, w.res_weight, w.rms_weight, w.rms_eps, snapshot_slot=snapshot_slot,
                            options=settings.eager_options)[0]
-    return rmsnorm(mix, w.norm_weight, w.norm_eps), (mix if mixture else None)
+    return rmsnorm(mix, w.norm_weight, w.norm_eps), (mix if mixture else None), None
 
 
 def try_fold(tail: PendingTail, bank: SnapshotBank, k: int, w: SiteWeights, settings: ResidualSettings, *,
-             mixture: bool = False, snapshot: bool = False, final_capture: bool = False
+             mixture: bool = False, snapshot: bool = False, final_capture: bool = False, fp8: bool = False
              ) -> tuple[Route, SiteResult | None]:
     """The add2 consumer: runs attn_res_add_rmsnorm(prefix, routed, bank[:k], layer_residual_add2=shared) when
     fold_route allows it (with snapshot, the updated prefix also lands in bank row k through the op's
-    snapshot_slot). Otherwise declines — (route, None) — and the caller materializes first."""
+    snapshot_slot; with fp8, the op also emits the FP8 output where the plan takes it: the result's `fp8` then
+    holds (codes, scales) with source FP8_FUSED, and the caller attaches the reference otherwise). Otherwise
+    declines — (route, None) — and the caller materializes first."""
     T, H = tail.prefix.shape
     route = fold_route(settings, tokens=T, candidates=k + 1, hidden=H, device=tail.prefix.device, tap=mixture,
                        snapshot=snapshot, final_capture=final_capture)
@@ -414,26 +505,31 @@ def try_fold(tail: PendingTail, bank: SnapshotBank, k: int, w: SiteWeights, sett
             options=settings.options)
         tail.shared.fused()
         return route, SiteResult(out[1], out[2], out[3] if mixture else None, route)
+    in_op = fp8 and _fp8_in_op(settings, route, "attn_res_add_rmsnorm", T, k + 1, H, tail.prefix.device, add=True,
+                               add2=True, tap=mixture, snapshot=snapshot)
     out = attnres.attn_res_add_rmsnorm(tail.prefix, tail.routed, bank.candidates(k), *w.args(),
                                        layer_residual_add2=tail.shared, return_mixture=mixture,
-                                       snapshot_slot=k if snapshot else None, options=settings.options)
-    return route, SiteResult(out[0], out[1], out[2] if mixture else None, route)
+                                       snapshot_slot=k if snapshot else None, **_fp8_kw(settings, in_op),
+                                       options=settings.options)
+    fused = Fp8Output(out[-2], out[-1], FP8_FUSED) if in_op else None
+    return route, SiteResult(out[0], out[1], out[2] if mixture else None, route, fused)
 
 
 def attn_res_site(carried: Tensor | PendingTail, bank: SnapshotBank, k: int, w: SiteWeights,
                   settings: ResidualSettings, *, site: str = "site", mixture: bool = False, snapshot: bool = False,
-                  final_capture: bool = False, record: PathRecord | None = None) -> SiteResult:
+                  final_capture: bool = False, fp8: bool = False, record: PathRecord | None = None) -> SiteResult:
     """A site without an addend of its own (pre-attention, snapshot-layer pre-MLP, model output) over the first
     k snapshots. `carried` is the prefix or a pending tail; `mixture`: return the pre-norm mixture (a capture
-    tap); `snapshot`: the prefix also goes into bank row k (the caller then counts k + 1 snapshots)."""
+    tap); `snapshot`: the prefix also goes into bank row k (the caller then counts k + 1 snapshots); `fp8`: the
+    output feeds an FP8 GEMM, so with settings.fp8 the result also carries it quantized (SiteResult.fp8)."""
     if isinstance(carried, PendingTail):
         T, H = carried.prefix.shape
         route, result = try_fold(carried, bank, k, w, settings, mixture=mixture, snapshot=snapshot,
-                                 final_capture=final_capture)
+                                 final_capture=final_capture, fp8=fp8)
         if record is not None:
             record.add(site, route, T, k + 1)
         if result is not None:
-            return result
+            return _with_fp8(result, result.fp8, settings, fp8, site, record)
         prefix = carried.materialize()
     else:
         prefix = carried
@@ -443,18 +539,21 @@ def attn_res_site(carried: Tensor | PendingTail, bank: SnapshotBank, k: int, w: 
         record.add(site, route, T, k + 1)
     # The snapshot row is written by the site's op where its kernel can (snapshot_slot), else copied.
     in_op = snapshot and _snapshot_in_op(settings, route, T, k + 1, H, prefix.device)
-    output, mix = _run_unchanged(prefix, bank, k, w, settings, route, mixture, k if in_op else None)
+    fp8_in_op = fp8 and route.path == FUSED and _fp8_in_op(settings, route, "attn_res_rmsnorm", T, k + 1, H,
+                                                           prefix.device, tap=mixture, snapshot=in_op)
+    output, mix, fused = _run_unchanged(prefix, bank, k, w, settings, route, mixture, k if in_op else None, fp8_in_op)
     if snapshot and not in_op:
         bank.row(k).copy_(prefix)
-    return SiteResult(prefix, output, mix, route)
+    return _with_fp8(SiteResult(prefix, output, mix, route), fused, settings, fp8, site, record)
 
 
 def attn_res_add_site(prefix: Tensor, add: Tensor | PendingPartial, bank: SnapshotBank, k: int, w: SiteWeights,
-                      settings: ResidualSettings, *, site: str = "site", record: PathRecord | None = None
-                      ) -> SiteResult:
+                      settings: ResidualSettings, *, site: str = "site", fp8: bool = False,
+                      record: PathRecord | None = None) -> SiteResult:
     """A site that adds one addend (the pre-MLP site of a non-snapshot layer): P = prefix + add, then the mixture
     over bank[:k] and P, then the norm. Under TP `add` may be this rank's attention partial (a PendingPartial):
-    the fused route all-reduces it inside the site's op, every other route reduces it first."""
+    the fused route all-reduces it inside the site's op, every other route reduces it first. `fp8`: as
+    attn_res_site (the TP all-reduce op has no FP8 epilogue: the reference quantizes there)."""
     T, H = prefix.shape
     route = site_route(settings, tokens=T, candidates=k + 1, hidden=H, device=prefix.device, add=True, tap=False)
     if record is not None:
@@ -464,12 +563,14 @@ def attn_res_add_site(prefix: Tensor, add: Tensor | PendingPartial, bank: Snapsh
             _, updated, output = attnres.all_reduce_attn_res_add_rmsnorm(
                 add.comm, add.partial, prefix, bank.candidates(k), *w.args(), site="add", options=settings.options)
             add.fused()
-            return SiteResult(updated, output, None, route)
+            return _with_fp8(SiteResult(updated, output, None, route), None, settings, fp8, site, record)
         add = add.reduce()
     if route.path == FUSED_ADD:
-        updated, output = attnres.attn_res_add_rmsnorm(prefix, add, bank.candidates(k), *w.args(),
-                                                       options=settings.options)
-        return SiteResult(updated, output, None, route)
+        in_op = fp8 and _fp8_in_op(settings, route, "attn_res_add_rmsnorm", T, k + 1, H, prefix.device, add=True)
+        out = attnres.attn_res_add_rmsnorm(prefix, add, bank.candidates(k), *w.args(), **_fp8_kw(settings, in_op),
+                                           options=settings.options)
+        return _with_fp8(SiteResult(out[0], out[1], None, route), out[2:] if in_op else None, settings, fp8, site,
+                         record)
     updated = prefix + add
     output, _ = eager_attn_res_rmsnorm(updated, bank.candidates(k), w, settings.eager_options)
-    return SiteResult(updated, output, None, route)
+    return _with_fp8(SiteResult(updated, output, None, route), None, settings, fp8, site, record)

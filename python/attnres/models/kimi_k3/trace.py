@@ -31,6 +31,7 @@ class SiteTrace:
     prefix: Tensor  # the materialized prefix the site mixed
     output: Tensor  # its normed output
     tap: Tensor | None = None  # the capture tap taken there, if any
+    fp8: tuple | None = None  # (codes, scales, source) of an FP8 site (residual.Fp8Output), if any
 
 
 @dataclass
@@ -38,16 +39,17 @@ class ChainTrace:
     sites: list[SiteTrace] = field(default_factory=list)
     banks: list[tuple[int, Tensor]] = field(default_factory=list)  # (layer, bank storage after it)
 
-    def site(self, name: str, prefix: Tensor, output: Tensor, tap: Tensor | None = None) -> None:
+    def site(self, name: str, prefix: Tensor, output: Tensor, tap: Tensor | None = None, fp8=None) -> None:
         # Site tensors are fresh results nobody writes later; the bank is written in place, so it is cloned.
-        self.sites.append(SiteTrace(name, prefix, output, tap))
+        self.sites.append(SiteTrace(name, prefix, output, tap, fp8))
 
     def layer_end(self, layer: int, bank_storage: Tensor) -> None:
         self.banks.append((layer, bank_storage.clone()))
 
 
-def compare_traces(a: ChainTrace, b: ChainTrace) -> list[str]:
-    """Every difference between two traces, as readable lines ([] when bitwise identical)."""
+def compare_traces(a: ChainTrace, b: ChainTrace, *, fp8: bool = True) -> list[str]:
+    """Every difference between two traces, as readable lines ([] when bitwise identical). `fp8`: also compare
+    the FP8 codes and scales (presence included; not who produced them); False compares the bf16 chain only."""
     diffs = []
     if [s.site for s in a.sites] != [s.site for s in b.sites]:
         diffs.append("the two chains visited different sites")
@@ -56,6 +58,13 @@ def compare_traces(a: ChainTrace, b: ChainTrace) -> list[str]:
             x, y = getattr(sa, what), getattr(sb, what)
             if not bitwise_equal(x, y):
                 diffs.append(f"{sa.site}: {what} differs{_count(x, y)}")
+        if fp8 and (sa.fp8 is None) != (sb.fp8 is None):
+            diffs.append(f"{sa.site}: fp8 output present in one chain only")
+        elif fp8 and sa.fp8 is not None:
+            for i, what in enumerate(("fp8 codes", "fp8 scales")):
+                x, y = sa.fp8[i], sb.fp8[i]
+                if not bitwise_equal(x, y) or x.stride() != y.stride():
+                    diffs.append(f"{sa.site}: {what} differ{_count(x, y)}")
     if [layer for layer, _ in a.banks] != [layer for layer, _ in b.banks]:
         diffs.append("the two chains traced the bank after different layers")
     for (layer, x), (_, y) in zip(a.banks, b.banks, strict=False):

@@ -1,0 +1,76 @@
+"""The FP8 benchmark suite (python -m attnres.bench fp8) without a GPU: the CLI refuses cleanly and writes
+nothing; the grid is the issue's; the table and the target are derived correctly from records (synthetic ones:
+the numbers come from the H200)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.bench import fp8
+from attnres.bench.__main__ import SUITES, _fp8_agrees
+from attnres.bench.__main__ import main as bench_main
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_fp8_suite_refuses_without_a_gpu_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "fp8.json"
+    assert bench_main(["fp8", "--out", str(out)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_fp8_suite_is_registered_with_the_issue_grid():
+    assert "fp8" in SUITES
+    assert fp8.points() == [(T, N) for T in (1, 4, 8, 32) for N in (2, 9, 12)]
+    assert fp8.points(quick=True) == [(1, 9), (32, 9)]
+    assert fp8.MODES == ("per_token", "block128") and fp8.TARGET_US == 0.2
+
+
+def _rec(provider, T, N, median, mode=None, equal=None):
+    return {"suite": "fp8", "provider": provider, "mode": mode, "T": T, "N": N, "H": 7168, "median_us": median,
+            "bitwise_equal": equal}
+
+
+def _records(fused_cost=0.1, equal=True):
+    recs = []
+    for T, N in ((1, 9), (32, 9)):
+        recs.append(_rec(fp8.BF16_OP, T, N, 2.0 + T / 100))
+        for mode in fp8.MODES:
+            recs += [_rec(f"attnres/add2_fp8_{mode}", T, N, 2.0 + T / 100 + fused_cost, mode, equal),
+                     _rec(f"add2_then_eager_quant_{mode}", T, N, 30.0, mode),
+                     _rec(f"add2_then_compiled_quant_{mode}", T, N, 6.0, mode)]
+    return recs
+
+
+def test_table_and_target_from_records():
+    rows = fp8.table(_records(0.1))
+    assert len(rows) == 4
+    T, N, mode, base, fused, cost, eager, comp = rows[0]
+    assert (T, N, mode) == (1, 9, "per_token")
+    assert cost == pytest.approx(0.1) and eager == pytest.approx(30.0 - base) and comp == pytest.approx(6.0 - base)
+    what, measured, met = fp8.target(_records(0.1))
+    assert met and "0.2 us" in what and "bitwise" in measured
+    assert fp8.target(_records(0.25))[2] is False  # over the target
+    assert fp8.target(_records(0.1, equal=False))[2] is False and "NOT bitwise" in fp8.target(
+        _records(0.1, equal=False))[1]
+    lines = fp8.summary(_records(0.1))
+    assert lines[-1].endswith("-> met") and len(lines) == 1 + 4 + 1
+    assert fp8.summary([]) == [] and fp8.target([]) is None
+
+
+def test_a_bitwise_mismatch_fails_the_run(capsys):
+    assert _fp8_agrees(_records()) is True
+    assert _fp8_agrees(_records(equal=False)) is False
+    assert "DIFFERS" in capsys.readouterr().err
+
+
+def test_an_unmeasured_variant_is_reported():
+    recs = _records()
+    recs = [r for r in recs if r["provider"] != "add2_then_compiled_quant_block128" or r["T"] != 1]
+    recs.append({"suite": "fp8", "provider": "add2_then_compiled_quant_block128", "mode": "block128", "T": 1,
+                 "N": 9, "H": 7168, "error": "BackendCompilerFailed: x", "bitwise_equal": None})
+    lines = fp8.summary(recs)
+    assert any("not measured: BackendCompilerFailed" in line for line in lines)
+    row = next(r for r in fp8.table(recs) if r[:3] == (1, 9, "block128"))
+    assert row[7] is None
