@@ -36,8 +36,10 @@ __device__ __forceinline__ bool block_begin(const Exchange& x, uint32_t& generat
 
 template <int W>
 __global__ void __launch_bounds__(128) one_shot_all_reduce(const AllReduceParams p) {
-  if (p.early_trigger) launch_dependents();
   grid_dependency_wait();
+  // Released right after the wait, never before it (docs/ops/pdl.md): the dependent's pre-wait loads then
+  // overlap the exchange, and every kernel two or more launches back has completed when they run.
+  if (p.early_trigger) launch_dependents();
   uint32_t generation;
   if (!block_begin(p.x, generation)) return;
   const int64_t token = blockIdx.y;

@@ -34,9 +34,11 @@
 //     state writes); consecutive calls are ordered by the stream (griddepcontrol.wait under PDL, which waits
 //     for the previous grid's completion and memory flush).
 //   * PDL. The kernel waits on the grid dependency before reading anything (the partial comes from the
-//     kernel before it; the state from the previous call). It may release its dependents at its start
-//     (early trigger): their griddepcontrol.wait still waits for this whole grid to complete, so they only
-//     overlap their independent loads (bank rows, weights) with the exchange.
+//     kernel before it; the state from the previous call). It may release its dependents right after that
+//     wait (early trigger), before the exchange: their griddepcontrol.wait still waits for this whole grid to
+//     complete, so they only overlap their independent loads (bank rows, weights) with the exchange. Never
+//     before the wait: a dependent's pre-wait loads could then overlap the kernel before this one
+//     (docs/ops/pdl.md).
 //   * Bounded wait. Polls give up when %globaltimer passes the call's deadline (comm.timeout_ns after the
 //     block started polling): the block sets the error word (kAllReduceErrorTimeout, and the late source)
 //     and writes no output. A call that finds the error word set exits at once, writing nothing, so a broken

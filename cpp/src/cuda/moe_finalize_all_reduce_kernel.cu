@@ -67,8 +67,10 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_all_reduce(const Fus
 
   const int tid = threadIdx.x;
   const int64_t t = blockIdx.x;
-  launch_dependents();  // dependents still wait for this grid's completion before reading anything it writes
   grid_dependency_wait();
+  // Released right after the wait (docs/ops/pdl.md): dependents still wait for this grid's completion before
+  // reading anything it writes, and their pre-wait loads overlap the exchange.
+  launch_dependents();
 
   uint4 nw[VPT];
 #pragma unroll
