@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|chain|persistent|tp|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
+#   tools/gpu_check.sh [smoke|test|chain|persistent|tp|allreduce|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
 # smoke: build + kernel self-check + quick benchmarks; test: build + the SASS schedule check (tools/sass_check.py) +
 # ctest + pytest (GPU cases run; CTEST=0 skips ctest); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
-# (PERSISTENT_QUICK=1 for the reduced grid); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
+# (PERSISTENT_QUICK=1 for the reduced grid); allreduce: the fused all-reduce epilogues in the in-process W = 2
+# world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
 # teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling; build (or any
@@ -128,6 +129,11 @@ if has persistent; then
   step "persistent-kernel benchmark (per-token/persistent crossover)"
   timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
+fi
+if has allreduce; then
+  step "fused all-reduce epilogues, in-process W = 2 world on one GPU (a lower bound: local memory, not NVLink)"
+  timeout "${ALLREDUCE_WALL:-300}" python3 -m attnres.bench allreduce ${ALLREDUCE_QUICK:+--quick} \
+    --out "$OUT/allreduce.json" 2>&1 | tail -16 || status=1
 fi
 if has tp; then
   step "tensor parallelism on two GPUs (NCCL, NVLink multicast off): checks and benchmark"
