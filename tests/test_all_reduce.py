@@ -141,6 +141,23 @@ def test_rejections_write_nothing(device):
         world.comms[0].check()
 
 
+def test_cpu_ranks_with_different_tokens_rejected():
+    """The in-process CPU world: rank 1 called with another T raises, naming both ranks and both T; nothing ran."""
+    world = InProcessWorld(2, 4, 64)
+    before = _state_snapshot(world)
+    parts = partials_for(2, 3, 64, seed=2)
+    with pytest.raises(ValueError, match=r"rank 1 was called with T = 2 but rank 0 with T = 3"):
+        world.all_reduce([parts[0], parts[1][:2]])
+    pieces, norm_w = _moe_pieces(2, 2, 4, 64, "cpu", seed=3)
+    partials = [attnres.moe_finalize(r, w, i, eps=0.0) for r, w, i in pieces]
+    with pytest.raises(ValueError, match=r"rank 1 was called with T = 1 but rank 0 with T = 2"):
+        world.run(lambda c, piece: attnres.moe_finalize_all_reduce(c, *piece, norm_w, eps=1e-5), pieces,
+                  gathered=[partials[0], partials[1][:1]])
+    for b, a in zip(before, _state_snapshot(world)):
+        assert torch.equal(b, a)
+    world.close()
+
+
 def test_communicator_arguments_rejected():
     for kwargs, msg in (({"world_size": 9}, "world_size"), ({"capacity": 0}, "capacity"), ({"width": 12}, "width"),
                         ({"timeout_s": 0.0}, "timeout_s")):
@@ -350,9 +367,15 @@ def _gloo_rank():
     reduced = attnres.all_reduce(comm, parts[ctx.rank])
     pieces, norm_w = _moe_pieces(2, 2, 4, 128, "cpu", seed=22)
     latent, normed = attnres.moe_finalize_all_reduce(comm, *pieces[ctx.rank], norm_w, eps=1e-5, scale=2.0)
+    # Rank 1 called with another T: every rank raises (the T are gathered before the partials).
+    try:
+        attnres.all_reduce(comm, parts[ctx.rank][: 3 - ctx.rank])
+        mismatch = "NOT RAISED"
+    except ValueError as e:
+        mismatch = str(e)
     comm.close()
     shutdown()
-    return bits(reduced), bits(latent), bits(normed)
+    return bits(reduced), bits(latent), bits(normed), mismatch
 
 
 def test_two_gloo_ranks():
@@ -365,7 +388,9 @@ def test_two_gloo_ranks():
     partials = [attnres.moe_finalize(r, w, i, eps=0.0, scale=2.0) for r, w, i in pieces]
     assert torch.equal(results[0][1], bits(contract(partials)))
     for r in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(r, results[0]))
+        assert all(torch.equal(a, b) for a, b in zip(r[:3], results[0][:3]))
+    for r in results:
+        assert "rank 1 was called with T = 2 but rank 0 with T = 3" in r[3], r[3]
 
 
 # ------------------------------------------------------------------------------------------ CUDA only
@@ -462,6 +487,60 @@ def test_rank_that_never_arrives_raises_not_hangs():
     proc = subprocess.run([sys.executable, "-c", _FAULT_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
     assert "RAISED" in proc.stdout and "timed out" in proc.stdout and "waiting for rank 1" in proc.stdout, proc.stdout
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [(2, 1), (1, 2), (3, 1)])
+@pytest.mark.parametrize("op", ["all_reduce", "moe_finalize_all_reduce"])
+def test_ranks_called_with_different_tokens_raise_and_write_nothing(tokens, op):
+    """Rank 1 called with another T than rank 0 (fewer rows, more rows): the header of the exchange catches it on
+    both ranks at once (no bounded wait: timeout 5 s, the call must not take it), every rank's check() names
+    both ranks and both T, and no output is written (the outputs reuse poisoned blocks of the allocator)."""
+    import time
+
+    W, D, k = 2, 512, 4
+    world = InProcessWorld(W, 4, D, device="cuda", timeout_s=5.0)
+    world.all_reduce([p.cuda() for p in partials_for(W, 2, D, seed=30)])  # one good call first: slots rotate
+    torch.cuda.synchronize()
+    reused = []
+
+    def call(c, piece):
+        T = tokens[c.rank]
+        poison = torch.full((T, D), float("nan"), dtype=BF16, device="cuda")  # on this rank's stream
+        ptr = poison.data_ptr()
+        del poison
+        if op == "all_reduce":
+            out = attnres.all_reduce(c, piece[:T])
+            reused.append((out.data_ptr() == ptr, out))
+        else:
+            rows, weights, index = piece
+            out = attnres.moe_finalize_all_reduce(c, rows, weights[:T], index[:T], norm_w, eps=1e-5)
+            reused.append((out[1].data_ptr() == ptr, out[1]))  # the normed output is allocated first
+        return out
+
+    if op == "all_reduce":
+        inputs = [p.cuda() for p in partials_for(W, max(tokens), D, seed=31)]
+    else:
+        inputs, norm_w = _moe_pieces(W, max(tokens), k, D, "cuda", seed=32)
+    t0 = time.perf_counter()
+    world.run(call, inputs)
+    torch.cuda.synchronize()
+    assert time.perf_counter() - t0 < 4.0, "the mismatch ran into the bounded wait"
+    for r, c in enumerate(world.comms):
+        other = 1 - r
+        with pytest.raises(CommunicatorError, match=rf"rank {r} was called with T = {tokens[r]} but rank {other} "
+                                                    rf"with T = {tokens[other]}.*nothing was written"):
+            c.check()
+    for same_block, out in reused:
+        assert same_block, "the output did not reuse the poisoned block: the check below would mean nothing"
+        assert bool(out.isnan().all()), "a mismatched call wrote output"
+    # The communicator is broken for good: a later call returns at once, writing nothing.
+    gen = [c.generation() for c in world.comms]
+    world.all_reduce([p.cuda() for p in partials_for(W, 1, D, seed=33)])
+    torch.cuda.synchronize()
+    assert [c.generation() for c in world.comms] == gen
+    world.close()
 
 
 def _ipc_rank(W, T, D):

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|chain|persistent|fp8|tp|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
+#   tools/gpu_check.sh [smoke|test|chain|persistent|fp8|tp|allreduce|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
 # smoke: build + kernel self-check + quick benchmarks; test: build + the SASS schedule check (tools/sass_check.py) +
 # ctest + pytest (GPU cases run; CTEST=0 skips ctest); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
-# (PERSISTENT_QUICK=1 for the reduced grid); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
+# (PERSISTENT_QUICK=1 for the reduced grid); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
+# allreduce: the fused all-reduce epilogues in the in-process W = 2
+# world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
 # teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling; build (or any
@@ -133,6 +135,11 @@ if has fp8; then
   step "FP8 epilogue benchmark (fused e4m3 output vs bf16 op + separate quantization)"
   timeout -s INT -k 20 "${FP8_WALL:-300}" python3 -m attnres.bench fp8 ${FP8_QUICK:+--quick} \
     --out "$OUT/fp8.json" 2>&1 | tail -40 || status=1
+fi
+if has allreduce; then
+  step "fused all-reduce epilogues, in-process W = 2 world on one GPU (a lower bound: local memory, not NVLink)"
+  timeout "${ALLREDUCE_WALL:-300}" python3 -m attnres.bench allreduce ${ALLREDUCE_QUICK:+--quick} \
+    --out "$OUT/allreduce.json" 2>&1 | tail -16 || status=1
 fi
 if has tp; then
   step "tensor parallelism on two GPUs (NCCL, NVLink multicast off): checks and benchmark"

@@ -16,6 +16,9 @@ void bind_all_reduce(nb::module_& m) {
   m.attr("ALL_REDUCE_MAX_WORLD") = kAllReduceMaxWorld;
   m.attr("ALL_REDUCE_STATE_WORDS") = kAllReduceStateWords;
   m.attr("ALL_REDUCE_ERROR_TIMEOUT") = kAllReduceErrorTimeout;
+  m.attr("ALL_REDUCE_ERROR_TOKEN_MISMATCH") = kAllReduceErrorTokenMismatch;
+  m.attr("ALL_REDUCE_ERROR_WIDTH_MISMATCH") = kAllReduceErrorWidthMismatch;
+  m.attr("ALL_REDUCE_HEADER_ROWS") = kAllReduceHeaderRows;
 
   nb::class_<CommRef>(m, "CommRef")
       .def(nb::init<>())

@@ -9,9 +9,10 @@
 // A real -0.0 element of a partial is read as +0.0 (the exchange uses -0.0 as its "not yet written" marker).
 //
 // The communicator (CommRef) is a view of memory the caller allocated and exchanged once (attnres.tp.Communicator):
-// per rank a buffer region of 3 slots x W sources x `capacity` tokens x `width` bf16 elements, initialised to
+// per rank a buffer region of 3 slots x W sources x (`capacity` + 1) rows x `width` bf16 elements, initialised to
 // -0.0, reachable from every rank (peers' regions mapped through CUDA IPC or in one process), and this rank's
-// small state (generation, error word, arrival counter, tokens per slot). Nothing is passed per call: the
+// small state (generation, error word, arrival counter, tokens per slot, the error's details). Row `capacity` of
+// each (slot, source) is the source's header: its T and width, so a reader detects a peer called with another T. Nothing is passed per call: the
 // generation advances inside the kernel, so CUDA-graph replays rotate the slots correctly.
 //
 // Backends: CUDA runs the exchange itself. The CPU backend cannot reach other processes' memory: it takes every
@@ -30,12 +31,17 @@ namespace attnres {
 
 constexpr int32_t kAllReduceMaxWorld = 8;
 constexpr int32_t kAllReduceSlots = 3;
-constexpr int32_t kAllReduceStateWords = 8;  // uint32: [0] generation, [1] error, [2] arrivals, [3..5] tokens per slot, [6] late source
+// uint32: [0] generation, [1] error, [2] arrivals, [3..5] tokens per slot, [6] the peer the error names (late or
+// mismatched), [7] that peer's T (or width), [8] this rank's T (or width) in the failed call, [9..11] unused.
+constexpr int32_t kAllReduceStateWords = 12;
+constexpr int64_t kAllReduceHeaderRows = 1;  // per (slot, source), after the `capacity` data rows
 constexpr int64_t kAllReduceMaxWidth = 16384;
 constexpr int64_t kAllReduceWidthMultiple = 8;
 
 // Error word values (state[1]); 0 = healthy. Once set, every later call on the communicator exits at once.
-constexpr uint32_t kAllReduceErrorTimeout = 1;
+constexpr uint32_t kAllReduceErrorTimeout = 1;        // a peer's rows did not arrive within comm.timeout_ns
+constexpr uint32_t kAllReduceErrorTokenMismatch = 2;  // a peer was called with another T (nothing was written)
+constexpr uint32_t kAllReduceErrorWidthMismatch = 3;  // a peer's communicator has another width
 
 struct CommRef {
   int32_t world_size = 0;
@@ -43,7 +49,8 @@ struct CommRef {
   int64_t capacity = 0;  // T_max: tokens per slot
   int64_t width = 0;     // D: elements per token
   Device device{};
-  // buffers[r]: base of rank r's region, bf16 [3][W][capacity][width], as this process addresses it.
+  // buffers[r]: base of rank r's region, bf16 [3][W][capacity + kAllReduceHeaderRows][width], as this process
+  // addresses it.
   uintptr_t buffers[kAllReduceMaxWorld] = {};
   uintptr_t state = 0;  // this rank's uint32 [kAllReduceStateWords], on `device`
   int64_t timeout_ns = 10'000'000'000;  // bounded wait per call; must allow for time slicing between processes

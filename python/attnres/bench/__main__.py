@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import chain, decode, finalize, floors, fp8, guard, persistent, results, tp, tune
+from . import allreduce, chain, decode, finalize, floors, fp8, guard, persistent, results, tp, tune
 
 
 def _progress_printer():
@@ -40,6 +40,8 @@ SUITES = {
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
            "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all')",
+    "allreduce": "the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower bound: local "
+                 "memory instead of NVLink) against the plain op and the unfused all_reduce + op, T = 1..32",
     "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
     "all": "floors, decode, tune, finalize and chain",
     "plot": "draw the PNGs of existing results files (--out, comma-separated) into --plots (no GPU needed)",
@@ -62,10 +64,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go (default docs/perf)")
     c = p.add_argument_group("chain")
     c.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cpu: the chain (tp: over gloo) on the CPU backend with a small config, timed eagerly by wall "
-                        "clock (no graphs): exercises the code, measures nothing about the fold")
+                   help="cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a "
+                        "small config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing")
     c.add_argument("--tokens", default=None,
-                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8)")
+                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8)")
     c.add_argument("--hidden", type=int, default=None,
                    help="hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)")
     c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda; on cpu 26, tp: 10)")
@@ -97,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in make_plots((args.out or "bench_results.json").split(","), args.plots):
             print(path)
         return 0
-    if args.device == "cpu" and args.suite not in ("chain", "tp"):
-        p.error("--device cpu applies to the chain and tp suites only")
+    if args.device == "cpu" and args.suite not in ("chain", "tp", "allreduce"):
+        p.error("--device cpu applies to the chain, tp and allreduce suites only")
     if args.suite == "persistent" and args.hidden is not None and (
             args.hidden % 8 or not 8 <= args.hidden <= 16384):
         p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tp(args, p)
     if args.suite == "guard":
         return _guard(args)
+    if args.suite == "allreduce":
+        return _allreduce(args)
     if args.suite == "chain" and args.device == "cpu":
         return _chain_cpu(args)
     if not torch.cuda.is_available():
@@ -238,6 +242,27 @@ def _tp(args, parser) -> int:
     custom = args.hidden is not None or args.layers is not None or args.block is not None
     args.config = _chain_config(args, args.device) if custom else None
     return tp.main(args)
+
+
+def _allreduce(args) -> int:
+    if args.tokens is None:
+        tokens = allreduce.QUICK_TOKENS if args.quick else allreduce.TOKENS
+    else:
+        tokens = _chain_tokens(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("attnres.bench allreduce needs a CUDA GPU (or --device cpu, which measures nothing)", file=sys.stderr)
+        return 2
+    out = args.out or "bench_results.json"
+    meta = results.metadata(args.commit, device=args.device)
+    records = allreduce.run(tokens=tokens, device=args.device, repeats=args.repeats, progress=_print_progress)
+    results.save(out, meta, records, {"note": allreduce.LOWER_BOUND if args.device == "cuda" else allreduce.CPU_NOTE})
+    print(f"\n{meta['gpu'] or 'CPU'} commit {meta['commit']}: {len(records)} records -> {out}")
+    for line in allreduce.summary(records):
+        print(line)
+    if not all(r["bitwise_equal"] for r in records):
+        print("allreduce: the fused and unfused paths DIFFER (see bitwise_equal)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _guard(args) -> int:

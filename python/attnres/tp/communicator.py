@@ -1,8 +1,9 @@
 """The communicator of the one-shot all-reduce (docs/ops/all_reduce.md, docs/tp.md).
 
-Per rank: a buffer region of 3 rotating slots x W source ranks x `capacity` tokens x `width` bf16 elements,
-initialised to the sentinel -0.0, and a small device state (uint32 words: generation, error, arrival counter,
-tokens per slot, late source). Both are allocated once with torch; every rank maps its peers' regions:
+Per rank: a buffer region of 3 rotating slots x W source ranks x (`capacity` tokens + 1 header row) x `width`
+bf16 elements, initialised to the sentinel -0.0, and a small device state (uint32 words: generation, error,
+arrival counter, tokens per slot, the error's details). The header row carries the source's T and width, so
+a rank called with another T than its peers is detected on every rank (Communicator.check()). Both are allocated once with torch; every rank maps its peers' regions:
 
 * `Communicator.create(capacity, width, group=...)` — one rank of a torch.distributed group (collective). On
   CUDA the regions are exchanged as CUDA IPC handles (`untyped_storage()._share_cuda_()`, gathered with
@@ -32,6 +33,7 @@ SENTINEL_BITS = -32768  # int16 view of bf16 -0.0 (0x8000)
 DEFAULT_TIMEOUT_S = 10.0  # generous: W processes on one GPU progress only at context switches
 STATE_WORDS = _C.ALL_REDUCE_STATE_WORDS
 MAX_WORLD = _C.ALL_REDUCE_MAX_WORLD
+HEADER_ROWS = _C.ALL_REDUCE_HEADER_ROWS
 
 
 class CommunicatorError(_C.Error):
@@ -40,9 +42,18 @@ class CommunicatorError(_C.Error):
 
 
 def _region(world_size: int, capacity: int, width: int, device) -> Tensor:
-    region = torch.empty((SLOTS, world_size, capacity, width), dtype=torch.bfloat16, device=device)
+    region = torch.empty((SLOTS, world_size, capacity + HEADER_ROWS, width), dtype=torch.bfloat16, device=device)
     region.view(torch.int16).fill_(SENTINEL_BITS)
     return region
+
+
+def check_same_tokens(op: str, tokens: list[int]) -> None:
+    """Every rank's T of one call (rank order): ArgumentError naming the first rank that differs from rank 0."""
+    for r, t in enumerate(tokens):
+        if t != tokens[0]:
+            raise _C.ArgumentError(
+                f"{op}: rank {r} was called with T = {t} but rank 0 with T = {tokens[0]}: every rank must call "
+                "every all-reduce with the same T")
 
 
 def _check_shape_args(world_size: int, capacity: int, width: int, timeout_s: float) -> None:
@@ -94,6 +105,11 @@ class Communicator:
         state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         if device.type == "cpu":
             def gather(partial: Tensor) -> Tensor:
+                # Every rank's T first (one small collective): a mismatch raises on every rank, nothing written.
+                shape = torch.tensor(list(partial.shape[-2:]) if partial.dim() >= 2 else [0, 0], dtype=torch.int64)
+                shapes = [torch.empty_like(shape) for _ in range(world)]
+                dist.all_gather(shapes, shape, group=group)
+                check_same_tokens("all_reduce", [int(s[0]) for s in shapes])
                 parts = [torch.empty_like(partial) for _ in range(world)]
                 dist.all_gather(parts, partial.contiguous(), group=group)
                 return torch.stack(parts)
@@ -148,7 +164,8 @@ class Communicator:
         return self._gather_fn(partial)
 
     def region(self, rank: int | None = None) -> Tensor:
-        """Rank `rank`'s region [3, W, capacity, width] as this process addresses it (tests)."""
+        """Rank `rank`'s region [3, W, capacity + 1, width] as this process addresses it (row `capacity` of each
+        (slot, source) is the header; tests)."""
         self.check_open()
         return self._regions[self.rank if rank is None else rank]
 
@@ -161,10 +178,20 @@ class Communicator:
         """Raises CommunicatorError if an exchange on this rank timed out (synchronizes)."""
         self.check_open()
         words = self._state.cpu().tolist()
+        generation = words[0] & 0xFFFFFFFF
+        if words[1] == _C.ALL_REDUCE_ERROR_TOKEN_MISMATCH:
+            raise CommunicatorError(
+                f"all_reduce: rank {self.rank} was called with T = {words[8]} but rank {words[6]} with T = "
+                f"{words[7]} (generation {generation}); nothing was written; every rank must call every all-reduce "
+                "with the same T; the communicator is unusable: close it and create a new one")
+        if words[1] == _C.ALL_REDUCE_ERROR_WIDTH_MISMATCH:
+            raise CommunicatorError(
+                f"all_reduce: rank {self.rank}'s communicator has width {words[8]} but rank {words[6]}'s has width "
+                f"{words[7]} (generation {generation}); nothing was written; the communicator is unusable")
         if words[1] != 0:
             raise CommunicatorError(
                 f"all_reduce: rank {self.rank} timed out after {self.timeout_s:g} s waiting for rank {words[6]}'s "
-                f"partial (generation {words[0] & 0xFFFFFFFF}); the communicator is unusable: close it and create "
+                f"partial (generation {generation}); the communicator is unusable: close it and create "
                 "a new one (every rank must call every all-reduce with the same T)")
 
     def close(self) -> None:
@@ -231,6 +258,7 @@ class InProcessWorld:
             raise _C.ArgumentError(f"InProcessWorld: {len(inputs)} inputs for {self.world_size} ranks")
         if self.device.type == "cpu":
             staged = inputs if gathered is None else gathered
+            check_same_tokens("all_reduce", [p.shape[-2] if p.dim() >= 2 else 0 for p in staged])
             self._staged = torch.stack([p.contiguous() for p in staged])
             try:
                 return [fn(c, p) for c, p in zip(self.comms, partials)]

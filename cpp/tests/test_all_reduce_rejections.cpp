@@ -1,0 +1,185 @@
+// One test per precondition of cpp/src/all_reduce_validate.cpp that C++ sees (the communicator's world, rank,
+// capacity, width, timeout, buffers and state; every tensor's T, D, dtype, rank and overlap; the CPU backend's
+// gathered partials): the exact message, and nothing written. A closed communicator is the Python object's
+// state; C++ sees its equivalent, a CommRef without buffers or state. Cases start from a valid CPU call with a
+// poisoned output, break one rule, and compare the output's bytes afterwards. The CUDA-communicator cases
+// (buffers, state, gathered refused) are validation only: no pointer is dereferenced, no GPU is needed.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "attnres/all_reduce.hpp"
+#include "attnres/error.hpp"
+
+namespace attnres_test {
+namespace {
+
+using namespace attnres;
+
+constexpr int64_t kT = 2, kD = 64, kW = 2, kCapacity = 4;
+constexpr uint16_t kPoison = 0x7fc1;  // a NaN no reduction of the inputs can produce
+
+struct Call {
+  std::vector<uint16_t> gathered = std::vector<uint16_t>(kW * kT * kD, 0x3f80);  // 1.0
+  std::vector<uint16_t> output = std::vector<uint16_t>(4 * kT * kD, kPoison);    // room for larger views
+  std::vector<float> gathered_f32 = std::vector<float>(kW * kT * kD, 1.0f);
+  AllReduceArgs args;
+
+  Call() {
+    args.comm.world_size = kW;
+    args.comm.rank = 0;
+    args.comm.capacity = kCapacity;
+    args.comm.width = kD;
+    args.gathered = make_ref(gathered.data(), DType::bf16, Device{}, {kW, kT, kD});
+    args.output = make_ref(output.data(), DType::bf16, Device{}, {kT, kD});
+  }
+  bool output_untouched() const {
+    for (uint16_t v : output)
+      if (v != kPoison) return false;
+    return true;
+  }
+};
+
+void expect_rejected(const std::function<void(Call&)>& mutate, const std::string& message) {
+  Call call;
+  mutate(call);
+  try {
+    all_reduce(call.args);
+    ADD_FAILURE() << "accepted; expected: " << message;
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+  EXPECT_TRUE(call.output_untouched()) << message;
+}
+
+TEST(AllReduceRejections, ValidCallRuns) {
+  Call call;
+  all_reduce(call.args);
+  for (int64_t i = 0; i < kT * kD; ++i) ASSERT_EQ(call.output[i], 0x4000) << i;  // 1 + 1 = 2.0
+  for (int64_t i = kT * kD; i < 4 * kT * kD; ++i) ASSERT_EQ(call.output[i], kPoison) << i;
+}
+
+TEST(AllReduceRejections, WorldSize) {
+  expect_rejected([](Call& c) { c.args.comm.world_size = 0; }, "all_reduce: comm.world_size must be in [1, 8], got 0");
+  expect_rejected([](Call& c) { c.args.comm.world_size = 9; }, "all_reduce: comm.world_size must be in [1, 8], got 9");
+}
+
+TEST(AllReduceRejections, Rank) {
+  expect_rejected([](Call& c) { c.args.comm.rank = 2; }, "all_reduce: comm.rank must be in [0, world_size = 2), got 2");
+  expect_rejected([](Call& c) { c.args.comm.rank = -1; }, "all_reduce: comm.rank must be in [0, world_size = 2), got -1");
+}
+
+TEST(AllReduceRejections, CapacityAndTokens) {
+  expect_rejected([](Call& c) { c.args.comm.capacity = 0; }, "all_reduce: comm.capacity must be >= 1 token, got 0");
+  expect_rejected([](Call& c) { c.args.comm.capacity = 1; },
+                  "all_reduce: gathered holds T = 2 tokens, above the communicator's capacity of 1 (allocate it "
+                  "with a larger capacity)");
+  expect_rejected([](Call& c) { c.args.gathered = make_ref(c.gathered.data(), DType::bf16, Device{}, {kW, 0, kD}); },
+                  "all_reduce: gathered holds T = 0 tokens: T must be >= 1");
+}
+
+TEST(AllReduceRejections, Width) {
+  for (int64_t w : {0, 12, 16392})
+    expect_rejected([w](Call& c) { c.args.comm.width = w; },
+                    "all_reduce: comm.width must be a multiple of 8 in [8, 16384], got " + std::to_string(w));
+}
+
+TEST(AllReduceRejections, Timeout) {
+  expect_rejected([](Call& c) { c.args.comm.timeout_ns = 0; }, "all_reduce: comm.timeout_ns must be >= 1, got 0");
+}
+
+TEST(AllReduceRejections, Gathered) {
+  expect_rejected([](Call& c) { c.args.gathered = TensorRef{}; },
+                  "all_reduce: gathered is required on the CPU (every rank's partial, gathered)");
+  expect_rejected([](Call& c) { c.args.gathered = make_ref(c.gathered.data(), DType::bf16, Device{}, {1, kT, kD}); },
+                  "all_reduce: gathered holds 1 partials but the world has 2 ranks");
+  expect_rejected([](Call& c) { c.args.gathered = make_ref(c.gathered.data(), DType::bf16, Device{}, {kW, kT, 32}); },
+                  "all_reduce: gathered must have shape [W, T, D] = [2, 2, 64], got [2, 2, 32]");
+  expect_rejected([](Call& c) { c.args.gathered = make_ref(c.gathered.data(), DType::bf16, Device{}, {kW * kT, kD}); },
+                  "all_reduce: gathered must be a 3-D [W, T, D] tensor, got 2 dimensions");
+  expect_rejected(
+      [](Call& c) { c.args.gathered = make_ref(c.gathered_f32.data(), DType::f32, Device{}, {kW, kT, kD}); },
+      "all_reduce: gathered must be bfloat16, got float32");
+}
+
+TEST(AllReduceRejections, Output) {
+  expect_rejected([](Call& c) { c.args.output = TensorRef{}; }, "all_reduce: output is required");
+  expect_rejected([](Call& c) { c.args.output = make_ref(c.output.data(), DType::bf16, Device{}, {3, kD}); },
+                  "all_reduce: output must have T = 2 rows, got [3, 64]");
+  expect_rejected([](Call& c) { c.args.output = make_ref(c.output.data(), DType::bf16, Device{}, {kT, 32}); },
+                  "all_reduce: output has D = 32 but the communicator's width is 64");
+  expect_rejected([](Call& c) { c.args.output = make_ref(c.output.data(), DType::bf16, Device{}, {kT * kD}); },
+                  "all_reduce: output must be a 2-D [T, D] tensor, got 1 dimensions [128]");
+  expect_rejected([](Call& c) { c.args.output = make_ref(c.gathered.data(), DType::bf16, Device{}, {kT, kD}); },
+                  "all_reduce: output overlaps gathered");
+  expect_rejected(
+      [](Call& c) {
+        c.args.input = make_ref(c.output.data() + kT * kD, DType::bf16, Device{}, {kT, kD});
+        c.args.output = make_ref(c.output.data() + kT * kD, DType::bf16, Device{}, {kT, kD});
+      },
+      "all_reduce: output overlaps input");
+}
+
+// A CUDA communicator (validation only: the addresses are never dereferenced).
+void cuda_comm(Call& c) {
+  c.args.comm.device = Device{DeviceType::cuda, 0};
+  c.args.comm.buffers[0] = 0x10000;
+  c.args.comm.buffers[1] = 0x20000;
+  c.args.comm.state = 0x30000;
+  c.args.gathered = TensorRef{};
+  c.args.input = make_ref(reinterpret_cast<void*>(0x40000), DType::bf16, c.args.comm.device, {kT, kD});
+  c.args.output = make_ref(reinterpret_cast<void*>(0x50000), DType::bf16, c.args.comm.device, {kT, kD});
+}
+
+void expect_cuda_rejected(const std::function<void(Call&)>& mutate, const std::string& message) {
+  Call call;
+  cuda_comm(call);
+  mutate(call);
+  try {
+    validate_all_reduce(call.args);
+    ADD_FAILURE() << "accepted; expected: " << message;
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+}
+
+TEST(AllReduceRejections, CudaCommunicatorBuffersAndState) {
+  {
+    Call call;
+    cuda_comm(call);
+    EXPECT_NO_THROW(validate_all_reduce(call.args));  // the base case is valid
+  }
+  // A closed communicator's equivalent in C++: no buffers, no state.
+  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[1] = 0; }, "all_reduce: comm.buffers has no buffer for rank 1");
+  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[0] = 0x10008; },
+                       "all_reduce: comm.buffers buffer of rank 0 is not 16-byte aligned");
+  expect_cuda_rejected([](Call& c) { c.args.comm.state = 0; }, "all_reduce: comm.state is required on CUDA");
+  expect_cuda_rejected([](Call& c) { c.args.comm.state = 0x30004; }, "all_reduce: comm.state must be 16-byte aligned");
+}
+
+TEST(AllReduceRejections, CudaInputs) {
+  expect_cuda_rejected([](Call& c) { c.args.input = TensorRef{}; }, "all_reduce: input is required");
+  expect_cuda_rejected(
+      [](Call& c) {
+        c.args.gathered = make_ref(reinterpret_cast<void*>(0x60000), DType::bf16, c.args.comm.device, {kW, kT, kD});
+      },
+      "all_reduce: gathered is an input of the CPU backend only (CUDA exchanges the partials)");
+  expect_cuda_rejected(
+      [](Call& c) {
+        c.args.input = make_ref(reinterpret_cast<void*>(0x40000), DType::bf16, c.args.comm.device, {5, kD});
+      },
+      "all_reduce: input holds T = 5 tokens, above the communicator's capacity of 4 (allocate it with a larger "
+      "capacity)");
+  expect_cuda_rejected(
+      [](Call& c) {
+        c.args.input = make_ref(reinterpret_cast<void*>(0x40000), DType::bf16, c.args.comm.device, {kT, 32});
+      },
+      "all_reduce: input has D = 32 but the communicator's width is 64");
+}
+
+}  // namespace
+}  // namespace attnres_test
