@@ -97,12 +97,12 @@ void validate_all_reduce(const AllReduceArgs& a, bool require_output) {
   }
 }
 
-void validate_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& a, bool require_output) {
+void validate_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& a, bool require_output, bool read_data) {
   const detail::Checker c("moe_finalize_all_reduce");
   const MoeFinalizeArgs& f = a.finalize;
   if (f.shared.present()) c.fail("shared", "is not an argument of this op (add it after the all-reduce)");
   if (!f.norm_weight.present()) c.fail("norm_weight", "is required (the latent RMSNorm follows the all-reduce)");
-  validate_moe_finalize(f, require_output);  // the finalize triple's own rules, "moe_finalize: ..." messages
+  validate_moe_finalize(f, require_output, read_data);  // the finalize triple's own rules, "moe_finalize: ..." messages
   check_comm(c, a.comm);
   const int64_t T = f.index.shape[0];
   check_tokens(c, "index", T, a.comm);

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import _C
-from ._registry import custom_op
+from ._registry import custom_op, note_writes
 from ._tensors import _hint, c_dtype, fake_refs, ref, ref_leading_rows, stream_of
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
@@ -54,10 +54,10 @@ def _run(op, options: Options, **tensors) -> None:
     _C.run(op, args, options.to_c())
 
 
-def _fake_check(op, *, rms_eps: float, norm_eps: float = 1e-5, snapshot_slot=-1, block_rows=None,
-                **tensors) -> None:
+def _fake_check(op, *, rms_eps: float, norm_eps: float = 1e-5, snapshot_slot=-1, block_rows=None, fp8=None,
+                fp8_pow2_scales=False, **tensors) -> None:
     """The real op's validation of a fake call (inputs only; outputs are the fake's own). block_rows: the
-    snapshot op's K, the rows of the bank that are candidates."""
+    snapshot op's K, the rows of the bank that are candidates; fp8: attnres.fp8's mode (None: no FP8 output)."""
     refs = fake_refs(_C.op_name(op), tensors)
     if refs is None:
         return
@@ -69,6 +69,8 @@ def _fake_check(op, *, rms_eps: float, norm_eps: float = 1e-5, snapshot_slot=-1,
         setattr(args, key, r)
     args.rms_eps, args.norm_eps = float(rms_eps), float(norm_eps)
     args.snapshot_slot = snapshot_slot
+    args.fp8 = getattr(_C.Fp8Scales, fp8 or "none")
+    args.fp8_pow2_scales = bool(fp8_pow2_scales)
     _C.validate(op, args, False)
 
 
@@ -283,8 +285,7 @@ def attn_res_add_rmsnorm_snapshot_op(
     # A compiled graph can build the bank view past its storage (its as_strided is not bounds-checked).
     if bank.dim() == 3 and min(bank.stride()) >= 0:
         check_bank_in_storage(bank, max(num_snapshots, snapshot_slot + 1), "attn_res_add_rmsnorm")
-    if not bank.is_inference():  # what custom_op's ADInplaceOrView kernel did: autograd sees the write
-        torch.autograd.graph.increment_version(bank)
+    note_writes(bank)
     # The candidates are the bank's first K rows, addressed from the bank's own pointer (valid for K = 0).
     block = ref_leading_rows(bank, num_snapshots, "attn_res_add_rmsnorm", "block_residual") \
         if bank.dim() == 3 else bank

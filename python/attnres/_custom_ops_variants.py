@@ -1,7 +1,9 @@
 """torch.ops.attnres.* variants that write more than the base ops: the FP8 output (`*_fp8`: two more results,
 the e4m3 codes and the fp32 scales) and the snapshot write on attn_res and attn_res_rmsnorm (`*_snapshot`,
-mutating the bank). Their fake implementations give every result its real shape and strides (block128 scales
-column-major with the token stride padded to a multiple of 4), so they trace under torch.compile.
+mutating the bank). Registered as the base ops are (_registry.custom_op); their fake implementations run the
+real op's validation (_fake_check) and then allocate the results exactly as the real ones do (the same
+helpers, so every result has its real shape and strides: block128 scales column-major with the token stride
+padded to a multiple of 4), so they trace under torch.compile and refuse what the real op refuses.
 
 The snapshot variants take the whole bank plus the candidate count K; K is checked against the bank's rows
 and the snapshot row against its storage before the library sees a pointer."""
@@ -14,8 +16,10 @@ import torch
 from torch import Tensor
 
 from . import _C, fp8 as _fp8
-from ._custom_ops import _OPS, _SPLIT_MAX_TOKENS, _add_rmsnorm, _empty_rows, _rows, _run, check_bank_in_storage
-from ._tensors import ref_leading_rows
+from ._custom_ops import (_OPS, _SPLIT_MAX_TOKENS, _add_rmsnorm, _empty_rows, _fake_check, _rows, _run,
+                          check_bank_in_storage)
+from ._registry import custom_op, note_writes
+from ._tensors import _hint, ref_leading_rows
 from .options import Options
 
 
@@ -25,8 +29,8 @@ def fp8_mode(op: str, fp8: str) -> str | None:
 
 
 def _fp8_outputs(like: Tensor, mode: str | None) -> tuple[Tensor, Tensor]:
-    """Real or fake (meta) FP8 outputs of a [T, H] call: [T, H] e4m3 codes and the mode's scales; empty (0,)
-    tensors without FP8."""
+    """The FP8 outputs of a [T, H] call (real, fake or meta, as `like`): [T, H] e4m3 codes and the mode's
+    scales; empty (0,) tensors without FP8."""
     T, H = _rows(like)
     if mode is None:
         return (torch.empty((0,), dtype=torch.float8_e4m3fn, device=like.device),
@@ -35,21 +39,24 @@ def _fp8_outputs(like: Tensor, mode: str | None) -> tuple[Tensor, Tensor]:
             _fp8.empty_scales(mode, T, H, like.device))
 
 
-def _fake_fp8_outputs(like: Tensor, mode: str | None) -> tuple[Tensor, Tensor]:
-    T, H = like.shape
-    if mode is None:
-        return like.new_empty((0,), dtype=torch.float8_e4m3fn), like.new_empty((0,), dtype=torch.float32)
-    if mode == "per_token":
-        scales = like.new_empty((T, 1), dtype=torch.float32)
-    else:
-        scales = like.new_empty_strided((T, H // _fp8.GROUP), (1, (T + 3) // 4 * 4), dtype=torch.float32)
-    return like.new_empty((T, H), dtype=torch.float8_e4m3fn), scales
-
-
 def _fp8_tensors(mode: str | None, q: Tensor, s: Tensor, pow2: bool) -> dict:
     if mode is None:
         return {"fp8_pow2_scales": pow2}  # the library refuses pow2 without a mode
     return {"fp8": mode, "fp8_pow2_scales": pow2, "output_fp8": q, "fp8_scales": s}
+
+
+def _fp8_flags(mode: str | None, pow2: bool) -> dict:
+    """The FP8 arguments _fake_check judges (the library refuses pow2 without a mode)."""
+    return {"fp8": mode, "fp8_pow2_scales": pow2}
+
+
+def _check_num_snapshots(bank: Tensor, num_snapshots, op: str) -> None:
+    """K must be a count of the bank's rows (real or fake; a size without an example value is not judged)."""
+    if bank.dim() != 3:
+        return  # the library rejects the rank
+    K, rows = _hint(num_snapshots), _hint(bank.shape[0])
+    if K is not None and rows is not None and not 0 <= K <= rows:
+        raise _C.ArgumentError(f"{op}: num_snapshots = {K} must be in [0, {rows}] (the bank holds {rows} rows)")
 
 
 def snapshot_candidates(bank: Tensor, num_snapshots: int, snapshot_slot: int, op: str):
@@ -57,17 +64,29 @@ def snapshot_candidates(bank: Tensor, num_snapshots: int, snapshot_slot: int, op
     against its storage (what the library cannot see from pointers)."""
     if bank.dim() != 3:
         return bank  # the library rejects the rank
-    rows = bank.shape[0]
-    if not 0 <= num_snapshots <= rows:
-        raise _C.ArgumentError(f"{op}: num_snapshots = {num_snapshots} must be in [0, {rows}] "
-                               f"(the bank holds {rows} rows)")
+    _check_num_snapshots(bank, num_snapshots, op)
     if min(bank.stride()) >= 0 and snapshot_slot >= 0:
         check_bank_in_storage(bank, max(num_snapshots, snapshot_slot + 1), op)
     return ref_leading_rows(bank, num_snapshots, op, "block_residual")
 
 
+def _snapshot_fake_check(op_code, op: str, bank: Tensor, num_snapshots, snapshot_slot, **tensors) -> None:
+    """A snapshot variant's fake validation: K against the bank's rows, then the library's rules on the K
+    candidate rows and the snapshot row."""
+    _check_num_snapshots(bank, num_snapshots, op)
+    _fake_check(op_code, block_residual=bank, snapshot_slot=_hint(snapshot_slot), block_rows=_hint(num_snapshots),
+                **tensors)
+
+
 # ------------------------------------------------------------------------------------ attn_res_snapshot
-@torch.library.custom_op("attnres::attn_res_snapshot", mutates_args=("bank",))
+def _attn_res_outputs(layer_residual: Tensor, num_snapshots) -> tuple[Tensor, list[Tensor]]:
+    T, _ = _rows(layer_residual)
+    N = max(num_snapshots + 1, 0)
+    diag = [torch.empty((N, T), dtype=torch.float32, device=layer_residual.device) for _ in range(3)]
+    return _empty_rows(layer_residual), diag
+
+
+@custom_op("attn_res_snapshot", mutates_args=("bank",))
 def attn_res_snapshot_op(
     layer_residual: Tensor,
     bank: Tensor,
@@ -76,17 +95,15 @@ def attn_res_snapshot_op(
     res_weight: Tensor,
     rms_weight: Tensor,
     rms_eps: float,
-    topology: str = "per_token",
+    topology: str = "auto",
     split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
     cluster: int = 0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    T, _ = _rows(layer_residual)
-    N = num_snapshots + 1
     block = snapshot_candidates(bank, num_snapshots, snapshot_slot, "attn_res")
-    mixture = _empty_rows(layer_residual)
-    diag = [torch.empty((max(N, 0), T), dtype=torch.float32, device=layer_residual.device) for _ in range(3)]
+    note_writes(bank)
+    mixture, diag = _attn_res_outputs(layer_residual, num_snapshots)
     _run(_OPS.attn_res, Options.from_args(topology, split_max_tokens, pdl, force_kernel, cluster),
          layer_residual=layer_residual, block_residual=block, res_weight=res_weight, rms_weight=rms_weight,
          rms_eps=rms_eps, output=mixture, rsigma=diag[0], probs=diag[1], logits=diag[2],
@@ -96,17 +113,22 @@ def attn_res_snapshot_op(
 
 @attn_res_snapshot_op.register_fake
 def _(layer_residual, bank, num_snapshots, snapshot_slot, res_weight, rms_weight, rms_eps, *options):
-    T, H = layer_residual.shape
-    diag = [layer_residual.new_empty((num_snapshots + 1, T), dtype=torch.float32) for _ in range(3)]
-    return layer_residual.new_empty((T, H)), *diag
+    _snapshot_fake_check(_OPS.attn_res, "attn_res", bank, num_snapshots, snapshot_slot,
+                         layer_residual=layer_residual, res_weight=res_weight, rms_weight=rms_weight,
+                         rms_eps=rms_eps)
+    mixture, diag = _attn_res_outputs(layer_residual, num_snapshots)
+    return mixture, *diag
 
 
 # ------------------------------------------------------------------ attn_res_rmsnorm: fp8 and snapshot
+def _rmsnorm_outputs(layer_residual, return_mixture, mode):
+    return (_empty_rows(layer_residual), _empty_rows(layer_residual, return_mixture),
+            *_fp8_outputs(layer_residual, mode))
+
+
 def _rmsnorm(layer_residual, block, res_weight, rms_weight, norm_weight, rms_eps, norm_eps, return_mixture, mode,
              pow2, snapshot_slot, options):
-    output = _empty_rows(layer_residual)
-    mixture = _empty_rows(layer_residual, return_mixture)
-    q, s = _fp8_outputs(layer_residual, mode)
+    output, mixture, q, s = _rmsnorm_outputs(layer_residual, return_mixture, mode)
     _run(_OPS.attn_res_rmsnorm, options, layer_residual=layer_residual, block_residual=block,
          res_weight=res_weight, rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
          output=output, mixture=mixture if return_mixture else None, snapshot_slot=snapshot_slot,
@@ -114,13 +136,7 @@ def _rmsnorm(layer_residual, block, res_weight, rms_weight, norm_weight, rms_eps
     return output, mixture, q, s
 
 
-def _rmsnorm_fake(layer_residual, return_mixture, mode):
-    T, H = layer_residual.shape
-    return (layer_residual.new_empty((T, H)), layer_residual.new_empty((T, H) if return_mixture else (0,)),
-            *_fake_fp8_outputs(layer_residual, mode))
-
-
-@torch.library.custom_op("attnres::attn_res_rmsnorm_fp8", mutates_args=())
+@custom_op("attn_res_rmsnorm_fp8", mutates_args=())
 def attn_res_rmsnorm_fp8_op(
     layer_residual: Tensor,
     block_residual: Tensor,
@@ -132,7 +148,7 @@ def attn_res_rmsnorm_fp8_op(
     return_mixture: bool,
     fp8: str,
     fp8_pow2_scales: bool = False,
-    topology: str = "per_token",
+    topology: str = "auto",
     split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
@@ -145,11 +161,15 @@ def attn_res_rmsnorm_fp8_op(
 
 @attn_res_rmsnorm_fp8_op.register_fake
 def _(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps, norm_eps, return_mixture, fp8,
-      *options):
-    return _rmsnorm_fake(layer_residual, return_mixture, fp8_mode("attn_res_rmsnorm", fp8))
+      fp8_pow2_scales=False, *options):
+    mode = fp8_mode("attn_res_rmsnorm", fp8)
+    _fake_check(_OPS.attn_res_rmsnorm, layer_residual=layer_residual, block_residual=block_residual,
+                res_weight=res_weight, rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps,
+                norm_eps=norm_eps, **_fp8_flags(mode, fp8_pow2_scales))
+    return _rmsnorm_outputs(layer_residual, return_mixture, mode)
 
 
-@torch.library.custom_op("attnres::attn_res_rmsnorm_snapshot", mutates_args=("bank",))
+@custom_op("attn_res_rmsnorm_snapshot", mutates_args=("bank",))
 def attn_res_rmsnorm_snapshot_op(
     layer_residual: Tensor,
     bank: Tensor,
@@ -163,7 +183,7 @@ def attn_res_rmsnorm_snapshot_op(
     return_mixture: bool = False,
     fp8: str = "none",
     fp8_pow2_scales: bool = False,
-    topology: str = "per_token",
+    topology: str = "auto",
     split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
@@ -171,6 +191,7 @@ def attn_res_rmsnorm_snapshot_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     op = "attn_res_rmsnorm"
     block = snapshot_candidates(bank, num_snapshots, snapshot_slot, op)
+    note_writes(bank)
     return _rmsnorm(layer_residual, block, res_weight, rms_weight, norm_weight, rms_eps, norm_eps, return_mixture,
                     fp8_mode(op, fp8), fp8_pow2_scales, snapshot_slot,
                     Options.from_args(topology, split_max_tokens, pdl, force_kernel, cluster))
@@ -178,8 +199,13 @@ def attn_res_rmsnorm_snapshot_op(
 
 @attn_res_rmsnorm_snapshot_op.register_fake
 def _(layer_residual, bank, num_snapshots, snapshot_slot, res_weight, rms_weight, norm_weight, rms_eps, norm_eps,
-      return_mixture=False, fp8="none", *options):
-    return _rmsnorm_fake(layer_residual, return_mixture, fp8_mode("attn_res_rmsnorm", fp8))
+      return_mixture=False, fp8="none", fp8_pow2_scales=False, *options):
+    mode = fp8_mode("attn_res_rmsnorm", fp8)
+    _snapshot_fake_check(_OPS.attn_res_rmsnorm, "attn_res_rmsnorm", bank, num_snapshots, snapshot_slot,
+                         layer_residual=layer_residual, res_weight=res_weight, rms_weight=rms_weight,
+                         norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
+                         **_fp8_flags(mode, fp8_pow2_scales))
+    return _rmsnorm_outputs(layer_residual, return_mixture, mode)
 
 
 # --------------------------------------------------------------------------- attn_res_add_rmsnorm: fp8
@@ -192,13 +218,13 @@ def _add_rmsnorm_fp8(op, layer_residual, layer_residual_add, layer_residual_add2
     return updated, output, mixture, q, s
 
 
-def _add_rmsnorm_fp8_fake(layer_residual, return_mixture, mode):
-    T, H = layer_residual.shape
-    return (layer_residual.new_empty((T, H)), layer_residual.new_empty((T, H)),
-            layer_residual.new_empty((T, H) if return_mixture else (0,)), *_fake_fp8_outputs(layer_residual, mode))
+def _add_rmsnorm_fp8_outputs(layer_residual, layer_residual_add, return_mixture, mode):
+    """What _add_rmsnorm_fp8 returns, allocated for a fake call (updated is empty without an addend)."""
+    return (_empty_rows(layer_residual, layer_residual_add is not None), _empty_rows(layer_residual),
+            _empty_rows(layer_residual, return_mixture), *_fp8_outputs(layer_residual, mode))
 
 
-@torch.library.custom_op("attnres::attn_res_add_rmsnorm_fp8", mutates_args=())
+@custom_op("attn_res_add_rmsnorm_fp8", mutates_args=())
 def attn_res_add_rmsnorm_fp8_op(
     layer_residual: Tensor,
     layer_residual_add: Optional[Tensor],
@@ -212,7 +238,7 @@ def attn_res_add_rmsnorm_fp8_op(
     return_mixture: bool,
     fp8: str,
     fp8_pow2_scales: bool = False,
-    topology: str = "per_token",
+    topology: str = "auto",
     split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
@@ -227,11 +253,16 @@ def attn_res_add_rmsnorm_fp8_op(
 
 @attn_res_add_rmsnorm_fp8_op.register_fake
 def _(layer_residual, layer_residual_add, layer_residual_add2, block_residual, res_weight, rms_weight, norm_weight,
-      rms_eps, norm_eps, return_mixture, fp8, *options):
-    return _add_rmsnorm_fp8_fake(layer_residual, return_mixture, fp8_mode("attn_res_add_rmsnorm", fp8))
+      rms_eps, norm_eps, return_mixture, fp8, fp8_pow2_scales=False, *options):
+    mode = fp8_mode("attn_res_add_rmsnorm", fp8)
+    _fake_check(_OPS.attn_res_add_rmsnorm, layer_residual=layer_residual, layer_residual_add=layer_residual_add,
+                layer_residual_add2=layer_residual_add2, block_residual=block_residual, res_weight=res_weight,
+                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
+                **_fp8_flags(mode, fp8_pow2_scales))
+    return _add_rmsnorm_fp8_outputs(layer_residual, layer_residual_add, return_mixture, mode)
 
 
-@torch.library.custom_op("attnres::attn_res_add_rmsnorm_snapshot_fp8", mutates_args=("bank",))
+@custom_op("attn_res_add_rmsnorm_snapshot_fp8", mutates_args=("bank",))
 def attn_res_add_rmsnorm_snapshot_fp8_op(
     layer_residual: Tensor,
     layer_residual_add: Optional[Tensor],
@@ -247,7 +278,7 @@ def attn_res_add_rmsnorm_snapshot_fp8_op(
     return_mixture: bool,
     fp8: str,
     fp8_pow2_scales: bool = False,
-    topology: str = "per_token",
+    topology: str = "auto",
     split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
@@ -255,6 +286,7 @@ def attn_res_add_rmsnorm_snapshot_fp8_op(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     op = "attn_res_add_rmsnorm"
     block = snapshot_candidates(bank, num_snapshots, snapshot_slot, op)
+    note_writes(bank)
     return _add_rmsnorm_fp8(
         _OPS.attn_res_add_rmsnorm, layer_residual, layer_residual_add, layer_residual_add2, block, res_weight,
         rms_weight, norm_weight, rms_eps, norm_eps, return_mixture, fp8_mode(op, fp8), fp8_pow2_scales,
@@ -263,11 +295,17 @@ def attn_res_add_rmsnorm_snapshot_fp8_op(
 
 @attn_res_add_rmsnorm_snapshot_fp8_op.register_fake
 def _(layer_residual, layer_residual_add, layer_residual_add2, bank, num_snapshots, snapshot_slot, res_weight,
-      rms_weight, norm_weight, rms_eps, norm_eps, return_mixture, fp8, *options):
-    return _add_rmsnorm_fp8_fake(layer_residual, return_mixture, fp8_mode("attn_res_add_rmsnorm", fp8))
+      rms_weight, norm_weight, rms_eps, norm_eps, return_mixture, fp8, fp8_pow2_scales=False, *options):
+    mode = fp8_mode("attn_res_add_rmsnorm", fp8)
+    _snapshot_fake_check(_OPS.attn_res_add_rmsnorm, "attn_res_add_rmsnorm", bank, num_snapshots, snapshot_slot,
+                         layer_residual=layer_residual, layer_residual_add=layer_residual_add,
+                         layer_residual_add2=layer_residual_add2, res_weight=res_weight, rms_weight=rms_weight,
+                         norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
+                         **_fp8_flags(mode, fp8_pow2_scales))
+    return _add_rmsnorm_fp8_outputs(layer_residual, layer_residual_add, return_mixture, mode)
 
 
-@torch.library.custom_op("attnres::attn_res_add_rmsnorm_persistent_fp8", mutates_args=())
+@custom_op("attn_res_add_rmsnorm_persistent_fp8", mutates_args=())
 def attn_res_add_rmsnorm_persistent_fp8_op(
     layer_residual: Tensor,
     layer_residual_add: Optional[Tensor],
@@ -294,8 +332,11 @@ def attn_res_add_rmsnorm_persistent_fp8_op(
 
 @attn_res_add_rmsnorm_persistent_fp8_op.register_fake
 def _(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight, norm_weight, rms_eps, norm_eps, fp8,
-      *options):
-    T, H = layer_residual.shape
-    return (layer_residual.new_empty((T, H) if layer_residual_add is not None else (0,)),
-            layer_residual.new_empty((T, H)),
-            *_fake_fp8_outputs(layer_residual, fp8_mode("attn_res_add_rmsnorm_persistent", fp8)))
+      fp8_pow2_scales=False, *options):
+    mode = fp8_mode("attn_res_add_rmsnorm_persistent", fp8)
+    _fake_check(_OPS.attn_res_add_rmsnorm_persistent, layer_residual=layer_residual,
+                layer_residual_add=layer_residual_add, block_residual=block_residual, res_weight=res_weight,
+                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
+                **_fp8_flags(mode, fp8_pow2_scales))
+    updated, output, _, q, s = _add_rmsnorm_fp8_outputs(layer_residual, layer_residual_add, False, mode)
+    return updated, output, q, s

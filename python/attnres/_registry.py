@@ -36,3 +36,11 @@ class Op:
 def custom_op(name: str, *, mutates_args: Iterable[str]) -> Callable[[Callable], Op]:
     """Decorator: `@custom_op("attn_res", mutates_args=())` registers attnres::attn_res."""
     return lambda fn: Op(name, fn, mutates_args)
+
+
+def note_writes(*tensors) -> None:
+    """What custom_op's ADInplaceOrView kernel does for a mutated argument (a Library registration has none):
+    bump its version counter, so autograd sees the write (inference tensors have no counter)."""
+    for t in tensors:
+        if t is not None and not t.is_inference():
+            torch.autograd.graph.increment_version(t)

@@ -27,8 +27,10 @@ import torch
 from torch import Tensor
 
 from . import _C, knobs
-from ._tensors import ref, ref_leading_rows, stream_of
-from ._custom_ops import check_bank_in_storage
+from ._custom_ops import _OPS, _fake_check, check_bank_in_storage
+from ._custom_ops_variants import _check_num_snapshots, snapshot_candidates
+from ._registry import custom_op, note_writes
+from ._tensors import ABSENT, _hint, fake_refs, ref, stream_of
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
 KERNELS = ("auto", "cpu", "single_cta")
@@ -37,13 +39,14 @@ _SPLIT_MAX_TOKENS = _DEFAULT_OPTIONS.split_max_tokens
 
 
 def _comm_ref(state: Tensor, buffers: List[int], world_size: int, rank: int, capacity: int, width: int,
-              timeout_ns: int) -> _C.CommRef:
+              timeout_ns: int, state_address: int | None = None) -> _C.CommRef:
+    """state_address: the state's address in a fake call (a synthetic one; a fake tensor has no data)."""
     c = _C.CommRef()
     c.world_size, c.rank, c.capacity, c.width, c.timeout_ns = world_size, rank, capacity, width, timeout_ns
     dev = state.device
     if dev.type == "cuda":
         c.device = [1, dev.index if dev.index is not None else torch.cuda.current_device()]
-        c.state = state.data_ptr()
+        c.state = state.data_ptr() if state_address is None else state_address
         c.buffers = list(buffers)
     else:
         c.device = [0, 0]  # DeviceType.cpu
@@ -63,8 +66,26 @@ def _rows_like(t: Tensor, width: int) -> Tensor:
     return torch.empty((T, width), dtype=torch.bfloat16, device=t.device)
 
 
+def _fake_comm(op: str, state: Tensor, comm_args: tuple, **tensors) -> tuple[dict, _C.CommRef] | None:
+    """A fake call's TensorRefs (fake_refs: a meta tensor among real ones, or two devices, raise) and its
+    communicator, the state at its synthetic address. None when a size has no example value."""
+    refs = fake_refs(op, {**tensors, "state": state})
+    if refs is None:
+        return None
+    return refs, _comm_ref(state, *comm_args, state_address=refs.pop("state").data)
+
+
+def _check_site(op: str, site: str, layer_residual_add) -> None:
+    if site not in SITES:
+        raise _C.ArgumentError(f"{op}: site must be one of {SITES}, got {site!r}")
+    if site == "add" and layer_residual_add is not None:
+        raise _C.ArgumentError(f"{op}: layer_residual_add is the reduced partial at site add; pass None")
+    if site == "add2" and layer_residual_add is None:
+        raise _C.ArgumentError(f"{op}: site add2 requires layer_residual_add (the first addend, e.g. routed)")
+
+
 # ------------------------------------------------------------------------------------------- all_reduce
-@torch.library.custom_op("attnres::all_reduce", mutates_args=("state",))
+@custom_op("all_reduce", mutates_args=("state",))
 def all_reduce_op(
     input: Tensor,
     gathered: Optional[Tensor],  # noqa: UP045
@@ -87,17 +108,30 @@ def all_reduce_op(
     args.gathered = ref(gathered, op, "gathered")
     args.output = ref(output, op, "output")
     args.stream = stream_of(input)
-    _C.all_reduce(args, _ar_options(pdl, early_trigger, force_kernel, op))
+    options = _ar_options(pdl, early_trigger, force_kernel, op)
+    note_writes(state)
+    _C.all_reduce(args, options)
     return output
 
 
 @all_reduce_op.register_fake
-def _(input, gathered, state, buffers, world_size, rank, capacity, width, timeout_ns, *options):
-    return input.new_empty((input.shape[0], width))
+def _(input, gathered, state, buffers, world_size, rank, capacity, width, timeout_ns, pdl=True, early_trigger=True,
+      force_kernel="auto"):
+    op = "all_reduce"
+    _ar_options(pdl, early_trigger, force_kernel, op)
+    checked = _fake_comm(op, state, (buffers, world_size, rank, capacity, width, timeout_ns), input=input,
+                         gathered=gathered)
+    if checked is not None:
+        refs, comm = checked
+        args = _C.AllReduceArgs()
+        args.comm, args.input = comm, refs["input"]
+        args.gathered = refs.get("gathered", ABSENT)
+        _C.all_reduce_validate(args, require_output=False)
+    return _rows_like(input, width)
 
 
 # ------------------------------------------------------------------------- all_reduce + attn_res_add_rmsnorm
-@torch.library.custom_op("attnres::all_reduce_attn_res_add_rmsnorm", mutates_args=("state", "bank"))
+@custom_op("all_reduce_attn_res_add_rmsnorm", mutates_args=("state", "bank"))
 def all_reduce_attn_res_add_rmsnorm_op(
     partial: Tensor,
     gathered: Optional[Tensor],  # noqa: UP045
@@ -120,7 +154,7 @@ def all_reduce_attn_res_add_rmsnorm_op(
     rms_eps: float,
     norm_eps: float,
     return_mixture: bool = False,
-    topology: str = "per_token",
+    topology: str = "auto",
     split_max_tokens: int = _SPLIT_MAX_TOKENS,
     pdl: bool = True,
     force_kernel: str = "auto",
@@ -128,16 +162,8 @@ def all_reduce_attn_res_add_rmsnorm_op(
     early_trigger: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     op = "all_reduce_attn_res_add_rmsnorm"
-    if site not in SITES:
-        raise _C.ArgumentError(f"{op}: site must be one of {SITES}, got {site!r}")
-    if site == "add" and layer_residual_add is not None:
-        raise _C.ArgumentError(f"{op}: layer_residual_add is the reduced partial at site add; pass None")
-    if site == "add2" and layer_residual_add is None:
-        raise _C.ArgumentError(f"{op}: site add2 requires layer_residual_add (the first addend, e.g. routed)")
-    reduced = _rows_like(layer_residual, width)
-    updated = _rows_like(layer_residual, layer_residual.shape[-1] if layer_residual.dim() == 2 else 0)
-    output = torch.empty_like(updated)
-    mixture = torch.empty_like(updated) if return_mixture else updated.new_empty((0,))
+    _check_site(op, site, layer_residual_add)
+    reduced, updated, output, mixture = _fused_outputs(layer_residual, width, return_mixture)
     ar = _C.AllReduceArgs()
     ar.comm = _comm_ref(state, buffers, world_size, rank, capacity, width, timeout_ns)
     ar.input = ref(partial, op, "partial")
@@ -151,10 +177,8 @@ def all_reduce_attn_res_add_rmsnorm_op(
     else:
         attn.layer_residual_add = ref(layer_residual_add, op, "layer_residual_add")
         attn.layer_residual_add2 = ar.output
-    if bank.dim() == 3 and min(bank.stride()) >= 0 and snapshot_slot >= 0:
-        check_bank_in_storage(bank, max(num_snapshots, snapshot_slot + 1), op)
-    attn.block_residual = (ref_leading_rows(bank, num_snapshots, op, "block_residual") if bank.dim() == 3
-                           else ref(bank, op, "block_residual"))
+    attn.block_residual = snapshot_candidates(bank, num_snapshots, snapshot_slot, op) if bank.dim() == 3 \
+        else ref(bank, op, "block_residual")
     attn.res_weight = ref(res_weight, op, "res_weight")
     attn.rms_weight = ref(rms_weight, op, "rms_weight")
     attn.norm_weight = ref(norm_weight, op, "norm_weight")
@@ -165,24 +189,61 @@ def all_reduce_attn_res_add_rmsnorm_op(
         attn.mixture = ref(mixture, op, "mixture")
     attn.snapshot_slot = snapshot_slot
     attn.stream = stream_of(layer_residual)
-    _C.all_reduce_attn_res_add_rmsnorm(
-        ar, getattr(_C.AllReduceSite, site), attn,
-        _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op),
-        Options.from_args(topology, split_max_tokens, pdl, force_kernel, cluster).to_c())
+    ar_options = _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op)
+    attn_options = Options.from_args(topology, split_max_tokens, pdl, force_kernel, cluster).to_c()
+    note_writes(state, bank)
+    _C.all_reduce_attn_res_add_rmsnorm(ar, getattr(_C.AllReduceSite, site), attn, ar_options, attn_options)
+    return reduced, updated, output, mixture
+
+
+def _fused_outputs(layer_residual: Tensor, width: int, return_mixture: bool):
+    """(reduced [T, width], updated, output [T, H], mixture [T, H] or (0,)), real or fake."""
+    reduced = _rows_like(layer_residual, width)
+    updated = _rows_like(layer_residual, layer_residual.shape[-1] if layer_residual.dim() == 2 else 0)
+    output = torch.empty_like(updated)
+    mixture = torch.empty_like(updated) if return_mixture else updated.new_empty((0,))
     return reduced, updated, output, mixture
 
 
 @all_reduce_attn_res_add_rmsnorm_op.register_fake
 def _(partial, gathered, state, buffers, world_size, rank, capacity, width, timeout_ns, site, layer_residual,
       layer_residual_add, bank, num_snapshots, snapshot_slot, res_weight, rms_weight, norm_weight, rms_eps, norm_eps,
-      return_mixture=False, *options):
-    T, H = layer_residual.shape
-    return (layer_residual.new_empty((T, width)), layer_residual.new_empty((T, H)), layer_residual.new_empty((T, H)),
-            layer_residual.new_empty((T, H) if return_mixture else (0,)))
+      return_mixture=False, topology="auto", split_max_tokens=_SPLIT_MAX_TOKENS, pdl=True, force_kernel="auto",
+      cluster=0, early_trigger=True):
+    op = "all_reduce_attn_res_add_rmsnorm"
+    _check_site(op, site, layer_residual_add)
+    _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op)
+    checked = _fake_comm(op, state, (buffers, world_size, rank, capacity, width, timeout_ns), partial=partial,
+                         gathered=gathered, layer_residual=layer_residual, layer_residual_add=layer_residual_add,
+                         bank=bank, res_weight=res_weight, rms_weight=rms_weight, norm_weight=norm_weight)
+    outputs = _fused_outputs(layer_residual, width, return_mixture)
+    if checked is not None:
+        refs, comm = checked
+        ar = _C.AllReduceArgs()
+        ar.comm, ar.input = comm, refs["partial"]
+        ar.gathered = refs.get("gathered", ABSENT)
+        _C.all_reduce_validate(ar, require_output=False)
+    # The library's rules of the attention half, the reduced sum as the site's addend.
+    addends = {"layer_residual_add": outputs[0]} if site == "add" else \
+        {"layer_residual_add": layer_residual_add, "layer_residual_add2": outputs[0]}
+    _check_num_snapshots(bank, num_snapshots, op)
+    _fake_check(_OPS.attn_res_add_rmsnorm, layer_residual=layer_residual, block_residual=bank, res_weight=res_weight,
+                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
+                snapshot_slot=_hint(snapshot_slot), block_rows=_hint(num_snapshots) if bank.dim() == 3 else None,
+                **addends)
+    return outputs
 
 
 # ------------------------------------------------------------------------- moe_finalize + all_reduce + norm
-@torch.library.custom_op("attnres::moe_finalize_all_reduce", mutates_args=("state",))
+def _moe_outputs(rows: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """(reduced, output), both [T, D] bf16, real or fake."""
+    T = index.shape[0] if index.dim() == 2 else 0
+    D = rows.shape[1] if rows.dim() == 2 else 0
+    output = torch.empty((T, D), dtype=torch.bfloat16, device=rows.device)
+    return torch.empty_like(output), output
+
+
+@custom_op("moe_finalize_all_reduce", mutates_args=("state",))
 def moe_finalize_all_reduce_op(
     rows: Tensor,
     weights: Tensor,
@@ -202,10 +263,7 @@ def moe_finalize_all_reduce_op(
     force_kernel: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     op = "moe_finalize_all_reduce"
-    T = index.shape[0] if index.dim() == 2 else 0
-    D = rows.shape[1] if rows.dim() == 2 else 0
-    output = torch.empty((T, D), dtype=torch.bfloat16, device=rows.device)
-    reduced = torch.empty_like(output)
+    reduced, output = _moe_outputs(rows, index)
     a = _C.MoeFinalizeAllReduceArgs()
     f = _C.MoeFinalizeArgs()
     f.rows, f.weights, f.index = ref(rows, op, "rows"), ref(weights, op, "weights"), ref(index, op, "index")
@@ -217,15 +275,29 @@ def moe_finalize_all_reduce_op(
     a.reduced = ref(reduced, op, "reduced")
     a.gathered = ref(gathered, op, "gathered")
     a.comm = _comm_ref(state, buffers, world_size, rank, capacity, width, timeout_ns)
-    _C.moe_finalize_all_reduce(a, _ar_options(pdl, True, force_kernel, op))
+    options = _ar_options(pdl, True, force_kernel, op)
+    note_writes(state)
+    _C.moe_finalize_all_reduce(a, options)
     return reduced, output
 
 
 @moe_finalize_all_reduce_op.register_fake
 def _(rows, weights, index, norm_weight, gathered, state, buffers, world_size, rank, capacity, width, timeout_ns,
-      eps, scale, *options):
-    T, D = index.shape[0], rows.shape[1]
-    return rows.new_empty((T, D)), rows.new_empty((T, D))
+      eps, scale, pdl=True, force_kernel="auto"):
+    op = "moe_finalize_all_reduce"
+    _ar_options(pdl, True, force_kernel, op)
+    checked = _fake_comm(op, state, (buffers, world_size, rank, capacity, width, timeout_ns), rows=rows,
+                         weights=weights, index=index, norm_weight=norm_weight, gathered=gathered)
+    if checked is not None:
+        refs, comm = checked
+        f = _C.MoeFinalizeArgs()
+        f.rows, f.weights, f.index, f.norm_weight = refs["rows"], refs["weights"], refs["index"], refs["norm_weight"]
+        f.eps, f.scale = float(eps), float(scale)
+        a = _C.MoeFinalizeAllReduceArgs()
+        a.finalize, a.comm = f, comm
+        a.gathered = refs.get("gathered", ABSENT)
+        _C.moe_finalize_all_reduce_validate(a, require_output=False, read_data=False)
+    return _moe_outputs(rows, index)
 
 
 # -------------------------------------------------------------------------------------- Python wrappers

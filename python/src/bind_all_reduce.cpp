@@ -78,6 +78,8 @@ void bind_all_reduce(nb::module_& m) {
 
   m.def("all_reduce_world_supported", &all_reduce_world_supported);
   m.def("all_reduce_validate", &validate_all_reduce, nb::arg("args"), nb::arg("require_output") = true);
+  m.def("moe_finalize_all_reduce_validate", &validate_moe_finalize_all_reduce, nb::arg("args"),
+        nb::arg("require_output") = true, nb::arg("read_data") = true);
   m.def("all_reduce_plan_call", [](const AllReduceArgs& a, const AllReduceOptions& o) { return plan_all_reduce(a, o); });
   m.def("moe_finalize_all_reduce_plan_call",
         [](const MoeFinalizeAllReduceArgs& a, const AllReduceOptions& o) { return plan_moe_finalize_all_reduce(a, o); });

@@ -107,7 +107,10 @@ struct MoeFinalizeAllReduceArgs {
   TensorRef gathered;  // [W, T, D] bf16: every rank's local-route partial (CPU backend only)
   CommRef comm;
 };
-void validate_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, bool require_output = true);
+// read_data = false skips the finalize's data-dependent rules (the index range), as validate_moe_finalize's flag
+// does: the fake implementation validates synthetic refs whose addresses hold nothing.
+void validate_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, bool require_output = true,
+                                      bool read_data = true);
 // The plan of the fused kernel: declines world sizes without a kernel instance (2, 4, 8 on CUDA), the finalize's
 // own declines, and a D other than the communicator's width.
 AllReducePlan plan_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, const AllReduceOptions& options = {});
