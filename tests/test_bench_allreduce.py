@@ -50,6 +50,14 @@ def test_bitwise_check_has_teeth(monkeypatch):
     assert {r["bitwise_equal"] for r in records} == {False}
 
 
+def test_moe_finalize_runs_at_its_own_tokens():
+    """The MoE finalize's points (its token gate's A/B) need not be the sites' T."""
+    records = allreduce.run(tokens=(1,), moe_tokens=(2, 3), device="cpu", repeats=1)
+    points = sorted({(r["site"], r["T"]) for r in records})
+    assert points == [("add", 1), ("add2", 1), ("moe_finalize", 2), ("moe_finalize", 3)]
+    assert all(r["bitwise_equal"] for r in records)
+
+
 def test_summary_table(cpu_records):
     lines = allreduce.summary(cpu_records)
     assert allreduce.CPU_NOTE in lines[0] and "fused-plain" in lines[1]
@@ -65,6 +73,8 @@ def test_run_rejects_bad_arguments():
         allreduce.run(device="cpu", repeats=0)
     with pytest.raises(ValueError, match="tokens"):
         allreduce.run(device="cpu", tokens=(0,))
+    with pytest.raises(ValueError, match="moe_tokens"):
+        allreduce.run(device="cpu", tokens=(1,), moe_tokens=())
     if not HAS_CUDA:
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             allreduce.run(device="cuda")
@@ -93,6 +103,8 @@ def test_cli_refuses_without_a_gpu(tmp_path, capsys):
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_quick_point_under_graph_replay():
+    """Every site under per-rank graph replay (a graph per rank on the rank's stream); a long replay stays
+    live: the exchange never waits out its bound (world.check inside run raises if it did)."""
     records = allreduce.run(tokens=(1, 4), device="cuda", repeats=3)
     assert len(records) == len(allreduce.SITES) * 2 * len(allreduce.PROVIDERS)
     for r in records:

@@ -40,12 +40,16 @@ from attnres.all_reduce import all_reduce, all_reduce_attn_res_add_rmsnorm, moe_
 from attnres.moe import moe_finalize
 from attnres.tp import InProcessWorld
 
-from .timing import Timing, _quantile, capture, rotating_sets, time_interleaved
+from .timing import Timing, _quantile, rotating_sets, time_interleaved
 from .workloads import EPS, make_sets, step_bytes
 
 WORLD = 2
 TOKENS = (1, 4, 8, 32)
 QUICK_TOKENS = (1, 8)
+# The MoE finalize's points set its token gate (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS): fused vs unfused,
+# same run, around the crossover.
+MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+QUICK_MOE_TOKENS = (1, 8, 16, 32)
 SITE_H, SITE_N = 7168, 9
 MOE_D, MOE_K = 3584, 16
 CPU_SHAPE = {"H": 64, "N": 3, "D": 64, "k": 4}
@@ -85,9 +89,25 @@ def _moe_sets(T: int, k: int, D: int, count: int, seed: int, device: str) -> lis
     return sets
 
 
-def _site_calls(site: str, world: InProcessWorld, ranks: list) -> dict[str, Callable[[], object]]:
-    """The four variants of one call of site add / add2 over every rank; ranks[r] is rank r's StepSet (its
-    `shared` is the rank's partial)."""
+@dataclass
+class Variant:
+    """One variant of one call: fn(comm, inputs[r]) is rank r's part of it (its kernels on the current stream);
+    `gathered` is what the CPU backend reduces (every rank's partial), unused on CUDA."""
+    fn: Callable[[object, object], object]
+    inputs: list
+    gathered: list | None = None
+
+    def run_all(self, world: InProcessWorld) -> list:
+        """Every rank's part, the ranks concurrent (CUDA: each on its own stream)."""
+        return world.run(self.fn, self.inputs, gathered=self.gathered)
+
+    def rank_call(self, world: InProcessWorld, r: int) -> Callable[[], object]:
+        return lambda: self.fn(world.comms[r], self.inputs[r])
+
+
+def _site_calls(site: str, ranks: list) -> dict[str, Variant]:
+    """The four variants of one call of site add / add2; ranks[r] is rank r's StepSet (its `shared` is the
+    rank's partial)."""
     partials = [s.shared for s in ranks]
 
     def weights(s):
@@ -107,38 +127,66 @@ def _site_calls(site: str, world: InProcessWorld, ranks: list) -> dict[str, Call
         return (reduced, *plain(s, reduced))
 
     return {
-        "plain": lambda: world.run(lambda c, s: plain(s, s.shared), ranks, gathered=partials),
-        "all_reduce": lambda: world.run(lambda c, s: all_reduce(c, s.shared), ranks, gathered=partials),
-        "unfused": lambda: world.run(unfused, ranks, gathered=partials),
-        "fused": lambda: world.run(fused, ranks, gathered=partials),
+        "plain": Variant(lambda c, s: plain(s, s.shared), ranks, partials),
+        "all_reduce": Variant(lambda c, s: all_reduce(c, s.shared), ranks, partials),
+        "unfused": Variant(unfused, ranks, partials),
+        "fused": Variant(fused, ranks, partials),
     }
 
 
-def _moe_calls(world: InProcessWorld, ranks: list[MoeSet]) -> dict[str, Callable[[], object]]:
+def _moe_calls(world: InProcessWorld, ranks: list[MoeSet]) -> dict[str, Variant]:
     # The CPU backend reduces gathered partials (each rank's local combine); CUDA ignores `gathered`.
-    partials = [moe_finalize(s.rows, s.weights, s.index, eps=0.0, scale=MOE_SCALE) for s in ranks] \
-        if world.device.type == "cpu" else [None] * len(ranks)
+    cpu = world.device.type == "cpu"
+    gathered = [moe_finalize(s.rows, s.weights, s.index, eps=0.0, scale=MOE_SCALE) for s in ranks] if cpu else None
 
     def unfused(c, s):
         partial = moe_finalize(s.rows, s.weights, s.index, eps=0.0, scale=MOE_SCALE)
         reduced = all_reduce(c, partial)
         return reduced, moe_finalize(reduced, s.ones, s.arange, norm_weight=s.norm_weight, eps=EPS)
 
-    def standalone(c, s, p):
-        return all_reduce(c, p)
-
-    gathered = partials if world.device.type == "cpu" else None
-    # all_reduce alone needs a partial of the shape: the CPU partials, or (CUDA) the first D columns of the rows.
-    ar_inputs = partials if world.device.type == "cpu" else [s.rows[: s.index.shape[0]] for s in ranks]
+    # all_reduce alone needs a partial of the shape: the CPU partials, or (CUDA) the first T rows of the rows.
+    ar_inputs = gathered if cpu else [s.rows[: s.index.shape[0]] for s in ranks]
     return {
-        "plain": lambda: world.run(lambda c, s: moe_finalize(s.rows, s.weights, s.index, norm_weight=s.norm_weight,
-                                                             eps=EPS, scale=MOE_SCALE), ranks, gathered=gathered),
-        "all_reduce": lambda: world.run(lambda c, p: all_reduce(c, p), ar_inputs),
-        "unfused": lambda: world.run(unfused, ranks, gathered=gathered),
-        "fused": lambda: world.run(lambda c, s: moe_finalize_all_reduce(c, s.rows, s.weights, s.index,
-                                                                        s.norm_weight, eps=EPS, scale=MOE_SCALE),
-                                   ranks, gathered=gathered),
+        "plain": Variant(lambda c, s: moe_finalize(s.rows, s.weights, s.index, norm_weight=s.norm_weight, eps=EPS,
+                                                   scale=MOE_SCALE), ranks, gathered),
+        "all_reduce": Variant(lambda c, p: all_reduce(c, p), ar_inputs),
+        "unfused": Variant(unfused, ranks, gathered),
+        "fused": Variant(lambda c, s: moe_finalize_all_reduce(c, s.rows, s.weights, s.index, s.norm_weight, eps=EPS,
+                                                              scale=MOE_SCALE), ranks, gathered),
     }
+
+
+def capture_ranks(world: InProcessWorld, variants: list[Variant]) -> list[torch.cuda.CUDAGraph]:
+    """One CUDA graph per rank holding that rank's part of every call, in order. The calls first run once
+    eagerly with the ranks concurrent (warm-up), then rank r's graph is captured on world.streams[r].
+
+    Not one graph with every rank's stream as a branch: a graph executor need not run parallel branches
+    concurrently, and a rank spinning on its peers' partials then waits for a branch queued behind it (on the
+    H200 one such graph stalled after ~7,000 exchanges until the bounded wait expired). Replaying the W graphs
+    on the ranks' own streams (replay_ranks) keeps them concurrent as eager calls are."""
+    for v in variants:
+        v.run_all(world)
+    torch.cuda.synchronize(world.device)
+    graphs = []
+    for r, stream in enumerate(world.streams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for v in variants:
+                v.rank_call(world, r)()
+        graphs.append(graph)
+    torch.cuda.synchronize(world.device)
+    return graphs
+
+
+def replay_ranks(world: InProcessWorld, graphs: list[torch.cuda.CUDAGraph]) -> None:
+    """Every rank's graph on its own stream, forked from and joined back into the current stream."""
+    current = torch.cuda.current_stream(world.device)
+    for graph, stream in zip(graphs, world.streams):
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            graph.replay()
+    for stream in world.streams:
+        current.wait_stream(stream)
 
 
 def _bits(results) -> list[torch.Tensor]:
@@ -149,22 +197,22 @@ def _bits(results) -> list[torch.Tensor]:
     return out
 
 
-def _fused_equals_unfused(calls: dict[str, Callable[[], object]], device: str) -> bool:
+def _fused_equals_unfused(world: InProcessWorld, calls: dict[str, Variant], device: str) -> bool:
     """One eager call of each: the fused op's outputs equal the unfused path's bitwise on every rank (the
     fused returns (reduced, updated, output) per rank, as the unfused path here)."""
-    fused, unfused = calls["fused"](), calls["unfused"]()
+    fused, unfused = calls["fused"].run_all(world), calls["unfused"].run_all(world)
     if device == "cuda":
         torch.cuda.synchronize()
     a, b = _bits(fused), _bits(unfused)
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _time_cpu(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+def _time_cpu(world: InProcessWorld, calls: dict[str, Variant], repeats: int) -> dict[str, Timing]:
     samples = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             t0 = time.perf_counter()
-            call()
+            call.run_all(world)
             samples[name].append((time.perf_counter() - t0) * 1e6)
     out = {}
     for name, values in samples.items():
@@ -186,15 +234,18 @@ def _point(site: str, T: int, world: InProcessWorld, shape: dict, repeats: int, 
         H, N = shape["H"], shape["N"]
         count = rotating_sets(W * (step_bytes(T, N, H) + T * H * 2)) if device == "cuda" else 1
         flat = make_sets(T, N, H, count * W, seed=100 * T + (site == "add2"), device=device)
-        call_sets = [_site_calls(site, world, flat[i * W:(i + 1) * W]) for i in range(count)]
+        call_sets = [_site_calls(site, flat[i * W:(i + 1) * W]) for i in range(count)]
         shape_keys = {"H": H, "N": N}
-    equal = _fused_equals_unfused(call_sets[0], device)
+    equal = _fused_equals_unfused(world, call_sets[0], device)
     if device == "cuda":
-        graphs = {name: (capture([calls[name] for calls in call_sets]), count) for name in PROVIDERS}
-        timings = time_interleaved(graphs, repeats=repeats)
+        replays = {}
+        for name in PROVIDERS:
+            graphs = capture_ranks(world, [calls[name] for calls in call_sets])
+            replays[name] = (lambda g=graphs: replay_ranks(world, g), count)
+        timings = time_interleaved(replays, repeats=repeats)
         world.check()  # a timed-out exchange would have produced no outputs: its times mean nothing
     else:
-        timings = _time_cpu(call_sets[0], repeats)
+        timings = _time_cpu(world, call_sets[0], repeats)
     records = []
     for name in PROVIDERS:
         records.append({"suite": "allreduce", "site": site, "provider": name, "T": T, "W": W, **shape_keys,
@@ -205,8 +256,10 @@ def _point(site: str, T: int, world: InProcessWorld, shape: dict, repeats: int, 
     return records
 
 
-def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, sites=SITES) -> list[dict]:
-    """Records of every site x T x provider (docstring of this module)."""
+def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, sites=SITES,
+        moe_tokens=None) -> list[dict]:
+    """Records of every site x T x provider (docstring of this module); the moe_finalize site at moe_tokens
+    (default: tokens)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"allreduce: device must be 'cuda' or 'cpu', got {device!r}")
     if repeats < 1:
@@ -214,14 +267,15 @@ def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, s
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("allreduce: device 'cuda' needs a CUDA GPU")
     tokens = tuple(tokens)
-    if not tokens or min(tokens) < 1:
-        raise ValueError(f"allreduce: tokens must be integers >= 1, got {tokens}")
+    moe_tokens = tokens if moe_tokens is None else tuple(moe_tokens)
+    for name, values in (("tokens", tokens), ("moe_tokens", moe_tokens)):
+        if not values or min(values) < 1:
+            raise ValueError(f"allreduce: {name} must be integers >= 1, got {values}")
     shape = {"H": SITE_H, "N": SITE_N, "D": MOE_D, "k": MOE_K} if device == "cuda" else CPU_SHAPE
-    capacity = max(tokens)
-    worlds = {"site": InProcessWorld(WORLD, capacity, shape["H"], device=device),
-              "moe": InProcessWorld(WORLD, capacity, shape["D"], device=device)}
+    worlds = {"site": InProcessWorld(WORLD, max(tokens), shape["H"], device=device),
+              "moe": InProcessWorld(WORLD, max(moe_tokens), shape["D"], device=device)}
     records = []
-    points = [(site, T) for site in sites for T in tokens]
+    points = [(site, T) for site in sites for T in (moe_tokens if site == "moe_finalize" else tokens)]
     try:
         for i, (site, T) in enumerate(points):
             world = worlds["moe" if site == "moe_finalize" else "site"]
