@@ -12,11 +12,13 @@ peers' buffers in the same GPU's memory. Per site and T, four variants, each cal
               moe_finalize_all_reduce (one kernel).
 
 Shapes: Kimi K3's sites, H = 7168 with N = 9 candidates (8 bank rows), and its MoE latent, D = 3584 with k = 16
-routes, at T in {1, 4, 8, 32}. Every variant's calls of one point are captured in one CUDA graph: a call is
-every rank's stream forked from the capturing stream and joined back (InProcessWorld.run), repeated over
-rotating input sets (more bytes than twice the L2, bench/timing.py); the graphs of a point are replayed
-interleaved (time_interleaved) and the per-site time is replay time / calls. Before timing, each point checks
-that the fused op's outputs equal the unfused path's bit for bit on every rank (`bitwise_equal`).
+routes, at T in {1, 4, 8, 32} (the MoE finalize at T = 1..64: its token gate's A/B). Every variant's calls of
+one point are captured as one CUDA graph per rank (rank r's part of every call, on the rank's own stream),
+repeated over rotating input sets (more bytes than twice the L2, bench/timing.py); one replay of a variant
+launches every rank's graph on its stream, forked from and joined back into the timing stream
+(`replay_ranks`); the variants are replayed interleaved (time_interleaved) and the per-site time is replay
+time / calls. After timing, each point checks that the fused op's outputs of every set equal the unfused
+path's bit for bit on every rank (`bitwise_equal`). Nothing runs eagerly on CUDA (`capture_ranks` says why).
 
 A lower bound: the peers' partials are read from local HBM, not across NVLink, and the W = 2 ranks share one
 GPU's SMs; two GPUs pay the NVLink latency on top (the two-GPU measurement is a separate run). Both ranks'
@@ -156,26 +158,25 @@ def _moe_calls(world: InProcessWorld, ranks: list[MoeSet]) -> dict[str, Variant]
     }
 
 
-def capture_ranks(world: InProcessWorld, variants: list[Variant]) -> list[torch.cuda.CUDAGraph]:
-    """One CUDA graph per rank holding that rank's part of every call, in order. The calls first run once
-    eagerly with the ranks concurrent (warm-up), then rank r's graph is captured on world.streams[r].
+def capture_ranks(world: InProcessWorld, variants: list[Variant]) -> tuple[list[torch.cuda.CUDAGraph], list[list]]:
+    """One CUDA graph per rank holding that rank's part of every call, in order, captured on world.streams[r];
+    returns the graphs and, per rank, what each captured call returned (the tensors a replay overwrites).
 
     Not one graph with every rank's stream as a branch: a graph executor need not run parallel branches
-    concurrently, and a rank spinning on its peers' partials then waits for a branch queued behind it (on the
-    H200 one such graph stalled after ~7,000 exchanges until the bounded wait expired). Replaying the W graphs
-    on the ranks' own streams (replay_ranks) keeps them concurrent as eager calls are."""
-    for v in variants:
-        v.run_all(world)
+    concurrently, and a rank spinning on its peers' partials then waits for a branch queued behind it. Nothing
+    runs eagerly here either: an eager call that makes the caching allocator grow (cudaMalloc) between one
+    rank's launch and its peer's serializes the two (an implicit synchronization), so the first rank's
+    exchange waits for a peer that cannot start — on the H200 such warm-up calls stalled until the bounded wait
+    expired. A replay allocates nothing."""
     torch.cuda.synchronize(world.device)
-    graphs = []
+    graphs, outs = [], []
     for r, stream in enumerate(world.streams):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            for v in variants:
-                v.rank_call(world, r)()
+            outs.append([v.rank_call(world, r)() for v in variants])
         graphs.append(graph)
     torch.cuda.synchronize(world.device)
-    return graphs
+    return graphs, outs
 
 
 def replay_ranks(world: InProcessWorld, graphs: list[torch.cuda.CUDAGraph]) -> None:
@@ -197,12 +198,9 @@ def _bits(results) -> list[torch.Tensor]:
     return out
 
 
-def _fused_equals_unfused(world: InProcessWorld, calls: dict[str, Variant], device: str) -> bool:
-    """One eager call of each: the fused op's outputs equal the unfused path's bitwise on every rank (the
-    fused returns (reduced, updated, output) per rank, as the unfused path here)."""
-    fused, unfused = calls["fused"].run_all(world), calls["unfused"].run_all(world)
-    if device == "cuda":
-        torch.cuda.synchronize()
+def _same_bits(fused: list, unfused: list) -> bool:
+    """The fused op's outputs equal the unfused path's bitwise on every rank (the fused returns (reduced,
+    updated, output) per rank, as the unfused path here)."""
     a, b = _bits(fused), _bits(unfused)
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -236,15 +234,18 @@ def _point(site: str, T: int, world: InProcessWorld, shape: dict, repeats: int, 
         flat = make_sets(T, N, H, count * W, seed=100 * T + (site == "add2"), device=device)
         call_sets = [_site_calls(site, flat[i * W:(i + 1) * W]) for i in range(count)]
         shape_keys = {"H": H, "N": N}
-    equal = _fused_equals_unfused(world, call_sets[0], device)
     if device == "cuda":
-        replays = {}
+        replays, outs = {}, {}
         for name in PROVIDERS:
-            graphs = capture_ranks(world, [calls[name] for calls in call_sets])
+            graphs, outs[name] = capture_ranks(world, [calls[name] for calls in call_sets])
             replays[name] = (lambda g=graphs: replay_ranks(world, g), count)
         timings = time_interleaved(replays, repeats=repeats)
         world.check()  # a timed-out exchange would have produced no outputs: its times mean nothing
+        # Every replay recomputes the same calls: the last one's outputs of every set, fused against unfused.
+        equal = all(_same_bits([outs["fused"][r][i] for r in range(W)], [outs["unfused"][r][i] for r in range(W)])
+                    for i in range(count))
     else:
+        equal = _same_bits(call_sets[0]["fused"].run_all(world), call_sets[0]["unfused"].run_all(world))
         timings = _time_cpu(world, call_sets[0], repeats)
     records = []
     for name in PROVIDERS:
