@@ -28,7 +28,7 @@ def test_cpu_records_cover_every_site_token_and_provider(cpu_records):
     for r in cpu_records:
         assert r["suite"] == "allreduce" and r["W"] == 2 and r["device"] == "cpu"
         assert r["graph"] is False and r["lower_bound"] is False and r["timer"] == allreduce.TIMER_CPU
-        assert r["bitwise_equal"] is True
+        assert r["bitwise_equal"] is True and r["stalls"] == 0
         assert r["median_us"] > 0 and r["p10_us"] <= r["p90_us"]
         shape = ("D", "k") if r["site"] == "moe_finalize" else ("H", "N")
         assert all(key in r for key in shape)
@@ -56,6 +56,32 @@ def test_moe_finalize_runs_at_its_own_tokens():
     points = sorted({(r["site"], r["T"]) for r in records})
     assert points == [("add", 1), ("add2", 1), ("moe_finalize", 2), ("moe_finalize", 3)]
     assert all(r["bitwise_equal"] for r in records)
+
+
+def test_a_stalled_point_is_measured_again_and_counted(monkeypatch):
+    """A point whose exchange stalls (CommunicatorError) runs again on a fresh world, at most MAX_STALLS times;
+    its records count the stalls; one stall more raises."""
+    from attnres.tp import CommunicatorError
+
+    real, failures, worlds = allreduce._point, [], []
+
+    def flaky(site, T, world, *args):
+        worlds.append(world)
+        if len(failures) < budget:
+            failures.append(site)
+            raise CommunicatorError("stalled")
+        return real(site, T, world, *args)
+
+    monkeypatch.setattr(allreduce, "_point", flaky)
+    budget = 1
+    records = allreduce.run(tokens=(1,), moe_tokens=(1,), device="cpu", repeats=1, sites=("add",))
+    assert {r["stalls"] for r in records} == {1} and len(worlds) == 2 and worlds[0] is not worlds[1]
+    assert worlds[0].comms[0].closed
+    assert any("1 stalled" in line for line in allreduce.summary(records))
+    failures.clear()
+    budget = allreduce.MAX_STALLS + 1
+    with pytest.raises(CommunicatorError):
+        allreduce.run(tokens=(1,), device="cpu", repeats=1, sites=("add",))
 
 
 def test_summary_table(cpu_records):

@@ -40,7 +40,7 @@ import torch
 import attnres
 from attnres.all_reduce import all_reduce, all_reduce_attn_res_add_rmsnorm, moe_finalize_all_reduce
 from attnres.moe import moe_finalize
-from attnres.tp import InProcessWorld
+from attnres.tp import CommunicatorError, InProcessWorld
 
 from .timing import Timing, _quantile, rotating_sets, time_interleaved
 from .workloads import EPS, make_sets, step_bytes
@@ -63,6 +63,13 @@ TIMER_CPU = "cpu_eager_perf_counter"
 LOWER_BOUND = ("in-process W = 2 world on one GPU (each rank on its own stream, the peers' buffers in local "
                "memory instead of across NVLink): a lower bound of the two-GPU per-site time")
 CPU_NOTE = "CPU eager, wall clock: exercises the code, not a measurement"
+# Two ranks' kernels on one GPU are concurrent in practice, not by guarantee (CUDA promises no concurrency
+# between streams): on the H200 one exchange in ~60,000 of per-rank graph replays stalled until its bounded
+# wait expired (e56b621), cause unknown. Such a point is measured again on a fresh world, at most MAX_STALLS
+# times; its records say how often ("stalls"). Separate GPUs do not share this hazard.
+MAX_STALLS = 2
+STALL_NOTE = ("a point whose exchange stalled (one-GPU world: stream concurrency is not guaranteed) was measured "
+              "again on a fresh world; records count it in 'stalls'")
 
 
 @dataclass
@@ -273,16 +280,27 @@ def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, s
         if not values or min(values) < 1:
             raise ValueError(f"allreduce: {name} must be integers >= 1, got {values}")
     shape = {"H": SITE_H, "N": SITE_N, "D": MOE_D, "k": MOE_K} if device == "cuda" else CPU_SHAPE
-    worlds = {"site": InProcessWorld(WORLD, max(tokens), shape["H"], device=device),
-              "moe": InProcessWorld(WORLD, max(moe_tokens), shape["D"], device=device)}
+    sizes = {"site": (max(tokens), shape["H"]), "moe": (max(moe_tokens), shape["D"])}
+    worlds = {key: InProcessWorld(WORLD, cap, width, device=device) for key, (cap, width) in sizes.items()}
     records = []
     points = [(site, T) for site in sites for T in (moe_tokens if site == "moe_finalize" else tokens)]
     try:
         for i, (site, T) in enumerate(points):
-            world = worlds["moe" if site == "moe_finalize" else "site"]
-            records += _point(site, T, world, shape, repeats, device)
+            key = "moe" if site == "moe_finalize" else "site"
+            for stalls in range(MAX_STALLS + 1):
+                try:
+                    point = _point(site, T, worlds[key], shape, repeats, device)
+                    break
+                except CommunicatorError:
+                    # A stalled exchange of the one-GPU world (see STALL_NOTE): the point is measured again
+                    # on a fresh world, and the stall is recorded.
+                    if stalls == MAX_STALLS:
+                        raise
+                    worlds[key].close()
+                    worlds[key] = InProcessWorld(WORLD, *sizes[key], device=device)
+            records += [{**r, "stalls": stalls} for r in point]
             if progress:
-                progress(i + 1, len(points), f"allreduce {site} T={T}")
+                progress(i + 1, len(points), f"allreduce {site} T={T}" + (f" ({stalls} stalled)" if stalls else ""))
     finally:
         for w in worlds.values():
             w.close()
@@ -309,5 +327,6 @@ def summary(records: list[dict]) -> list[str]:
         m = {name: p[name]["median_us"] for name in PROVIDERS}
         lines.append(f"{site:<13}{T:>3}{m['plain']:>9.2f}{m['all_reduce']:>9.2f}{m['unfused']:>9.2f}"
                      f"{m['fused']:>9.2f}{m['fused'] - m['plain']:>+13.2f}{m['unfused'] - m['fused']:>+15.2f}  "
-                     f"{'equal' if p['fused']['bitwise_equal'] else 'DIFFERENT'}")
+                     f"{'equal' if p['fused']['bitwise_equal'] else 'DIFFERENT'}"
+                     + (f"  ({p['fused']['stalls']} stalled, measured again)" if p['fused'].get('stalls') else ""))
     return lines
