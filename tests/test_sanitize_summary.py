@@ -59,8 +59,19 @@ exit "$(cat "$FAKE_DIR/$step.rc")"
 """
 
 
-# cuobjdump -symbols of a binary holding library kernels (one in an anonymous inner namespace) and a host one.
+# cuobjdump -symbols of binaries holding library kernels (one in an anonymous inner namespace), in the layout of
+# cuobjdump 13.5 (first) and the STT_/STB_/STO_ one, with non-entry functions around them.
 SYMBOLS = """
+Fatbin elf code:
+================
+arch = sm_90
+identifier = moe_finalize_kernel.cu
+
+symbols:
+FUNC          LOCAL   DEFAULT    ENTRY                                _ZN7attnres6detail55_GLOBAL__N__6f46393b_22_moe_finalize_kernel_cu_8ace654e23moe_finalize_single_ctaILi4ELi2EfEEvNS1_9MoeParamsE
+OBJECT        WEAK    DEFAULT    -                                 U  .nv.reservedSmem.offset0
+FUNC          WEAK    DEFAULT    -                                    $__internal_0_$__cuda_sm20_sqrt_rn_f32_slowpath
+
 Fatbin elf code:
 ================
 arch = sm_90
@@ -173,7 +184,7 @@ def test_every_racecheck_run_is_filtered_to_the_library_namespace(tmp_path):
     for line in runs:
         assert "--kernel-name kns=7attnres6detail" in line, line
     # The mangled name of a kernel in attnres::detail (an anonymous inner namespace too) holds the substring.
-    assert "7attnres6detail" in SYMBOLS.split("STO_ENTRY")[2]
+    assert "7attnres6detail" in SYMBOLS.split("STO_ENTRY")[2] and "_GLOBAL__N_" in SYMBOLS.split("STO_ENTRY")[2]
 
 
 def test_several_filters_become_several_options(tmp_path):
@@ -213,7 +224,7 @@ def test_static_check_counts_the_library_kernels_the_filter_matches(tmp_path):
     rc, summary = run_sanitize(tmp_path, base_logs(), symbols=SYMBOLS)
     assert rc == 0, summary
     line = row(summary, "static check", tool="filter")
-    assert " matches " in line and "kns=7attnres6detail: 2 of 2 entries" in line, line
+    assert " matches " in line and "kns=7attnres6detail: 3 of 3 entries" in line, line
 
 
 def test_a_filter_that_matches_no_kernel_fails_the_run(tmp_path):
@@ -222,10 +233,10 @@ def test_a_filter_that_matches_no_kernel_fails_the_run(tmp_path):
     assert rc == 1, summary
     line = row(summary, "static check", tool="filter")
     assert "MATCHES NO KERNEL: kne=attn_res_per_token_kernel" in line, line  # kne wants the whole mangled name
-    assert "kns=7attnres6detail: 2 of 2 entries" in line
+    assert "kns=7attnres6detail: 3 of 3 entries" in line
 
 
 def test_regex_filter_is_a_search_in_the_mangled_name(tmp_path):
     rc, summary = run_sanitize(tmp_path, base_logs(), symbols=SYMBOLS, SANITIZE_KERNEL_FILTER="regex=one_shot_all_r.duce")
     assert rc == 0, summary
-    assert "regex=one_shot_all_r.duce: 1 of 2 entries" in row(summary, "static check", tool="filter")
+    assert "regex=one_shot_all_r.duce: 1 of 3 entries" in row(summary, "static check", tool="filter")

@@ -285,7 +285,9 @@ filter_check() {  # -> ROWS entry; a filter that matches no entry is a failure
     verdict=$(for b in "${bins[@]}"; do "$cuobjdump" -symbols "$b" 2>/dev/null; done | python3 -c '
 import re, sys
 filters = sys.argv[1].split()
-names = sorted({line.split()[-1] for line in sys.stdin if "STT_FUNC" in line and "STO_ENTRY" in line})
+# A kernel entry: "FUNC LOCAL DEFAULT ENTRY name" (cuobjdump 13.5) or "STT_FUNC STB_GLOBAL STO_ENTRY name".
+names = sorted({f[-1] for f in map(str.split, sys.stdin)
+                if f and f[0] in ("FUNC", "STT_FUNC") and {"ENTRY", "STO_ENTRY"} & set(f[1:-1])})
 def matches(f, name):
     for part in f.split(","):
         key, _, value = part.partition("=")
