@@ -101,14 +101,15 @@ fi
 NO_FILTER=0  # set around a step that must run unfiltered (the diagnostic rerun of the racy probe)
 tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the library's kernels)
   TOOL_OPTS=()
-  local f
+  local f filters
   case $1 in
     memcheck) has_opt "--padding" && TOOL_OPTS=(--padding 32) ;;
     # initcheck: no options. `--track-unused-memory no` made compute-sanitizer 2025.3 take "no" for the target
     # program (every initcheck step failed at once, 2026-11-30): unused-memory tracking is off by default.
     racecheck | synccheck)
       if [[ $KFILTER != none && $NO_FILTER == 0 ]]; then
-        for f in $KFILTER; do TOOL_OPTS+=(--kernel-name "$f"); done
+        read -ra filters <<<"$KFILTER"  # split on spaces, never globbed (a regex holds * and ?)
+        for f in "${filters[@]}"; do TOOL_OPTS+=(--kernel-name "$f"); done
       fi ;;
   esac
   return 0
