@@ -119,8 +119,8 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
                     std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, H)) +
                     " bytes of shared memory per block for H = " + std::to_string(H) + " (" +
                     std::to_string(tuning::kPersistentMinSlots) + " row slots); " + device_name(dev.device) +
-                    " offers " + std::to_string(budget) + " per block at " + std::to_string(per_sm) +
-                    " block(s) per SM");
+                    " offers " + std::to_string(budget) +
+                    (per_sm > 1 ? " per block at " + std::to_string(per_sm) + " blocks per SM" : std::string()));
   if (o.persistent_slots > 0 && (o.persistent_slots < tuning::kPersistentMinSlots || o.persistent_slots > fit))
     return declined("persistent_slots = " + std::to_string(o.persistent_slots) + ": H = " + std::to_string(H) +
                     " fits " + std::to_string(tuning::kPersistentMinSlots) + " to " + std::to_string(fit) +
