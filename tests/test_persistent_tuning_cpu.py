@@ -119,6 +119,18 @@ def test_summary_and_bit_check_read_the_records():
     assert any("two_pass" in line and "BITS DIFFER" in line for line in pv.summary(recs))
 
 
+def test_token_time_and_model_fit():
+    """τ per block = time over ceil(T / blocks) rounds; the fit through N = 2 (R = 3) and N = 9 (R = 10)."""
+    a = _rec("attnres/persistent:default", 3.5 * 32, N=2)
+    b = _rec("attnres/persistent:default", 7.4 * 32, N=9)
+    assert pv.token_time_us(a) == pytest.approx(3.5)  # 4096 tokens over 132 blocks: 32 rounds
+    assert pv.token_time_us(_rec(pv.PER_TOKEN, 10.0)) is None
+    fit = pv.model_fit([a, b, _rec(pv.PER_TOKEN, 1.0)])
+    c_row, c_fix = fit[("default", 4096, 7168, True)]
+    assert c_row == pytest.approx((7.4 - 3.5) / 7) and c_fix == pytest.approx(3.5 - 3 * c_row)
+    assert any(line.startswith("model fit default T=4096 H=7168: 0.557 us per row") for line in pv.summary([a, b]))
+
+
 def test_cli(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main(["decode", "--variants"])

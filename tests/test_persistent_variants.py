@@ -74,7 +74,8 @@ def _check(T: int, N: int, H: int, add: bool, layout: str) -> tuple[list[str], s
         if not tuning.plan(v, tokens=T, candidates=N, hidden=H, add=add).accepted:
             continue
         got = _kept(tuning.call(v, inp.layer_residual, inp.block_residual, inp.res_weight, inp.rms_weight,
-                                inp.norm_weight, inp.rms_eps, inp.norm_eps, layer_residual_add=inp.add if add else None))
+                                inp.norm_weight, inp.rms_eps, inp.norm_eps,
+                                layer_residual_add=inp.add if add else None))
         bad += _compare(want, got, f"{v.name} T={T} N={N} H={H} add={add} {layout}")
         ran.add(v.name)
     return bad, ran

@@ -88,12 +88,19 @@ void check_resident(AttnResOp op, PersistentFn kernel, const Plan& plan) {
                            " bytes of shared memory fit an SM)");
 }
 
-void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes) {
+// Two blocks per SM also ask for the largest shared-memory carveout: the driver picks the L1/shared split per
+// launch, and one sized for a single block would leave the second without room.
+void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes,
+                            int blocks_per_sm) {
   static std::atomic<bool> done[kMaxDevices][kInstances] = {};
   std::atomic<bool>* flag = device >= 0 && device < kMaxDevices ? &done[device][instance] : nullptr;
   if (flag && flag->load(std::memory_order_acquire)) return;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_optin_bytes),
              "cudaFuncSetAttribute(persistent kernel, MaxDynamicSharedMemorySize)");
+  if (blocks_per_sm > 1)
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared),
+               "cudaFuncSetAttribute(persistent kernel, PreferredSharedMemoryCarveout)");
   if (flag) flag->store(true, std::memory_order_release);
 }
 
@@ -164,7 +171,8 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   if (plan.smem_bytes > optin)
     throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.smem_bytes) +
                            " bytes of shared memory exceed the device's " + std::to_string(optin));
-  opt_into_shared_memory(kernel, instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm), device, optin);
+  opt_into_shared_memory(kernel, instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm), device, optin,
+                         plan.blocks_per_sm);
   if (plan.blocks_per_sm > 1) check_resident(op, kernel, plan);
 
   cudaLaunchAttribute attrs[1];

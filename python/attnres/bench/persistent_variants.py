@@ -130,8 +130,35 @@ def differing(records: list[dict]) -> list[tuple[int, int, int, str]]:
                   if "declined" not in r and not r["bitwise_equal"])
 
 
+def token_time_us(r: dict) -> float | None:
+    """µs per token per block (the model's τ, docs/performance.md): the call's time over the rounds of tokens
+    each block runs (ceil(T / blocks)); None for the per-token kernel and declined variants."""
+    g = r.get("geometry")
+    if not g or "median_us" not in r:
+        return None
+    return r["median_us"] / -(-r["T"] // g["blocks"])
+
+
+def model_fit(records: list[dict]) -> dict[tuple[str, int, int, bool], tuple[float, float]]:
+    """(variant, T, H, add) -> (c_row, c_fix) in µs from τ = R c_row + c_fix through the two smallest and largest
+    N measured (R = N + 1 with the addend, N without): the per-row and the fixed per-token cost of a block."""
+    tau = {}
+    for r in _records(records):
+        t = token_time_us(r)
+        if t is not None:
+            tau.setdefault((r["variant"], r["T"], r["H"], r["add"]), {})[r["N"] + (1 if r["add"] else 0)] = t
+    out = {}
+    for key, by_rows in tau.items():
+        if len(by_rows) >= 2:
+            lo, hi = min(by_rows), max(by_rows)
+            c_row = (by_rows[hi] - by_rows[lo]) / (hi - lo)
+            out[key] = (c_row, by_rows[lo] - lo * c_row)
+    return out
+
+
 def summary(records: list[dict]) -> list[str]:
-    """Per point: each variant's geometry, µs, share of the copy floor and speed-up over the default."""
+    """Per point: each variant's geometry, µs, µs per token per block, share of the copy floor and speed-up over
+    the default; then the model's fit per variant."""
     rec = _records(records)
     lines = []
     for key in sorted({(r["H"], r["N"], r["T"], r["add"]) for r in rec}):
@@ -149,6 +176,11 @@ def summary(records: list[dict]) -> list[str]:
             shape = f"{g['blocks_per_sm']}x{g['slots']} slots, {g['passes']} pass" if g else "split_k"
             speed = f", {base['median_us'] / r['median_us']:.2f}x default" if base else ""
             bits = "" if r["bitwise_equal"] else "  BITS DIFFER"
+            tau = token_time_us(r)
+            per_token = f", {tau:.2f} us/token/block" if tau is not None else ""
             lines.append(f"  {r['provider']:<32} {shape:<22} {r['median_us']:9.1f} us "
-                         f"(p10-p90 {r['p10_us']:.1f}-{r['p90_us']:.1f}) {r['pct_copy']:5.1f}% of copy{speed}{bits}")
+                         f"(p10-p90 {r['p10_us']:.1f}-{r['p90_us']:.1f}) {r['pct_copy']:5.1f}% of copy{per_token}"
+                         f"{speed}{bits}")
+    for (variant, T, H, add), (c_row, c_fix) in sorted(model_fit(records).items()):
+        lines.append(f"model fit {variant} T={T} H={H}: {c_row:.3f} us per row + {c_fix:.2f} us per token and block")
     return lines
