@@ -119,6 +119,32 @@ def test_summary_and_bit_check_read_the_records():
     assert any("two_pass" in line and "BITS DIFFER" in line for line in pv.summary(recs))
 
 
+def test_the_suite_runs_on_the_cpu_backend(monkeypatch):
+    """The suite's own code end to end without a GPU: CPU inputs, graphs replaced by eager calls, the plans of a
+    described H200, a fake timer. Every variant is called (bits checked against the per-token path) and recorded."""
+    from attnres.bench import timing, workloads
+
+    calls = []
+    monkeypatch.setattr(pv, "make_sets", lambda *a, **k: workloads.make_sets(*a, **k, device="cpu"))
+    monkeypatch.setattr(pv, "rotating_sets", lambda nbytes, minimum: 2)  # (the L2 size needs a GPU)
+    monkeypatch.setattr(pv, "capture", lambda fns: calls.append(len(fns)) or [fn() for fn in fns])
+    monkeypatch.setattr(pv, "time_interleaved", lambda graphs, repeats: {
+        name: timing.Timing(median_us=10.0 + i, p10_us=9.0, p90_us=12.0, min_us=9.0, calls=n, repeats=repeats)
+        for i, (name, (_, n)) in enumerate(graphs.items())})
+    plan = tuning.plan
+    monkeypatch.setattr(tuning, "plan", lambda v, **q: plan(v, **{**q, "device": "h200"}))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    recs = pv.run(H=64, copy_tbs=4.0, repeats=3, tokens=(5,), candidates=(2, 3))
+    assert len(calls) == 2 * (len(pv.NAMES) + 1) and set(calls) == {pv.MIN_CALLS}
+    assert {(r["N"], r["provider"]) for r in recs} == {(N, p) for N in (2, 3) for p in
+                                                      [f"attnres/persistent:{n}" for n in pv.NAMES] + [pv.PER_TOKEN]}
+    assert all(r["bitwise_equal"] and r["T"] == 5 and r["add"] for r in recs)
+    two = next(r for r in recs if r["variant"] == "two_blocks" and r["N"] == 3)
+    assert two["geometry"]["blocks_per_sm"] == 2 and two["geometry"]["blocks"] == 5
+    assert pv.differing(recs) == [] and any("two_blocks" in line for line in pv.summary(recs))
+
+
 def test_token_time_and_model_fit():
     """τ per block = time over ceil(T / blocks) rounds; the fit through N = 2 (R = 3) and N = 9 (R = 10)."""
     a = _rec("attnres/persistent:default", 3.5 * 32, N=2)
