@@ -118,7 +118,8 @@ def test_two_blocks_per_sm_are_resident_at_kimi_k3():
     assert not _compare(want, got, "two_blocks T=4096 N=9")
 
 
-@pytest.mark.parametrize("variant", [V("two_blocks", blocks_per_sm=2), V("spare1", slots=4), V("two_pass", passes=2)])
+@pytest.mark.parametrize("variant", [V("two_blocks", blocks_per_sm=2), V("spare1", slots=4), V("two_pass", passes=2)],
+                         ids=lambda v: v.name)
 def test_graph_replay_gives_the_eager_bits(variant):
     """Captured in a CUDA graph (the residency check of two blocks per SM runs during the capture), replayed
     after the inputs change: the eager bits of the new inputs."""
