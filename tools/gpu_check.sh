@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check, run on the H200 (the device tool) from the repository root:
-#   tools/gpu_check.sh [smoke|test|chain|persistent|fp8|tp|allreduce|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
+#   tools/gpu_check.sh [smoke|test|chain|persistent|variants|fp8|tp|allreduce|bench|full|profile|sanitize|stress][,more]   results and logs under $OUT (default ./gpu_out)
 # smoke: build + kernel self-check + quick benchmarks; test: build + the SASS schedule check (tools/sass_check.py) +
 # ctest + pytest (GPU cases run; CTEST=0 skips ctest); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
-# (PERSISTENT_QUICK=1 for the reduced grid); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
+# (PERSISTENT_QUICK=1 for the reduced grid); variants: the persistent kernel's geometry variants (their GPU bit
+# tests, then python -m attnres.bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
 # allreduce: the fused all-reduce epilogues in the in-process W = 2
 # world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
@@ -130,6 +131,12 @@ if has persistent; then
   step "persistent-kernel benchmark (per-token/persistent crossover)"
   timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
+fi
+if has variants; then
+  step "persistent-kernel geometry variants: bits against split_k, then the interleaved benchmark vs the copy floor"
+  timeout 900 python3 -m pytest -q -m gpu tests/test_persistent_variants.py 2>&1 | tail -15 || status=1
+  timeout -s INT -k 20 "${VARIANTS_WALL:-240}" python3 -m attnres.bench persistent --variants \
+    --out "$OUT/persistent_variants.json" 2>&1 | tail -40 || status=1
 fi
 if has fp8; then
   step "FP8 epilogue benchmark (fused e4m3 output vs bf16 op + separate quantization)"

@@ -229,8 +229,8 @@ def main():
         if rng.random() < 0.5:
             S = rng.randrange(rows, rows + 8)
             passes = 1
-        else:
-            S = rng.randrange(2, 8)
+        else:  # two passes: forced by the tuning knob over any depth, or chosen when a token does not fit
+            S = rng.randrange(2, 8) if rng.random() < 0.5 else rng.randrange(2, rows + 8)
             passes = 2
         T = rng.randrange(1, 12)
         grid = rng.randrange(1, 5)

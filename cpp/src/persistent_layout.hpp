@@ -84,6 +84,19 @@ constexpr int64_t smem_bytes(int64_t slots, int64_t hidden) {
   return ring_offset(slots, hidden) + slots * slot_bytes(hidden);
 }
 
+// Blocks per SM: 1 (the plan's default) or 2 (a tuning knob, attnres::Options::persistent_blocks_per_sm).
+// Two blocks share the SM's shared memory (sm_90: the 227 KB a block may opt into plus the 1 KB the
+// system reserves per block make the SM's 228 KB) and its register file: their instance is built for at most
+// kTwoBlocksMaxThreads threads (launch bounds of two blocks per SM: <= 128 registers per thread).
+constexpr int32_t kMaxBlocksPerSm = 2;
+constexpr int64_t kReservedSharedPerBlock = 1024;  // cudaDevAttrReservedSharedMemoryPerBlock on sm_90
+constexpr int32_t kTwoBlocksMaxThreads = 256;
+// The dynamic shared memory one block may use when `blocks_per_sm` blocks share an SM whose blocks may each
+// opt into `optin` bytes.
+constexpr int64_t block_budget(int64_t optin, int32_t blocks_per_sm) {
+  return blocks_per_sm <= 1 ? optin : (optin + kReservedSharedPerBlock) / blocks_per_sm - kReservedSharedPerBlock;
+}
+
 // The most slots (<= kMaxSlots) whose layout fits `budget` bytes; 0 when not even one does.
 constexpr int32_t max_slots(int64_t budget, int64_t hidden) {
   for (int32_t s = kMaxSlots; s >= 1; --s)

@@ -97,28 +97,53 @@ std::string persistent_decline(const PlanQuery& q) {
 
 // The persistent kernel's geometry (cuda/attn_res_persistent.cuh): consumer warps and the vector bucket from H
 // alone (they fix every reduction order), the ring as deep as the device's shared memory allows, one pass when
-// a token's rows fit the ring with room to stream the next token, two passes otherwise; one block per SM.
+// a token's rows fit the ring with room to stream the next token, two passes otherwise; one block per SM. The
+// tuning knobs (Options::persistent_*) change only the ring, the passes and the blocks per SM, never a bit.
 Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t H = q.hidden;
   const int64_t rows = q.candidates + (q.add ? 1 : 0);  // rows streamed per token: K bank rows, prefix, addend
-  const int32_t slots = persistent::max_slots(dev.shared_memory_per_block_optin, H);
-  if (slots < tuning::kPersistentMinSlots)
+  const int32_t threads = persistent::consumer_threads(H) + persistent::kProducerThreads;
+  const int32_t per_sm = o.persistent_blocks_per_sm > 0 ? o.persistent_blocks_per_sm
+                                                        : static_cast<int32_t>(tuning::kPersistentBlocksPerSm);
+  if (per_sm > 1 && threads > persistent::kTwoBlocksMaxThreads)
+    return declined("persistent_blocks_per_sm = " + std::to_string(per_sm) + " needs <= " +
+                    std::to_string(persistent::kTwoBlocksMaxThreads) + " threads per block; H = " +
+                    std::to_string(H) + " takes " + std::to_string(threads));
+  if (per_sm > 1 && q.fp8 != Fp8Scales::none)
+    return declined("persistent_blocks_per_sm = " + std::to_string(per_sm) + " has no FP8 instance (fp8 = " +
+                    fp8_scales_name(q.fp8) + ")");
+  const int64_t budget = persistent::block_budget(dev.shared_memory_per_block_optin, per_sm);
+  const int32_t fit = persistent::max_slots(budget, H);
+  if (fit < tuning::kPersistentMinSlots)
     return declined("the persistent kernel needs " +
                     std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, H)) +
                     " bytes of shared memory per block for H = " + std::to_string(H) + " (" +
                     std::to_string(tuning::kPersistentMinSlots) + " row slots); " + device_name(dev.device) +
-                    " offers " + std::to_string(dev.shared_memory_per_block_optin));
+                    " offers " + std::to_string(budget) +
+                    (per_sm > 1 ? " per block at " + std::to_string(per_sm) + " blocks per SM" : std::string()));
+  if (o.persistent_slots > 0 && (o.persistent_slots < tuning::kPersistentMinSlots || o.persistent_slots > fit))
+    return declined("persistent_slots = " + std::to_string(o.persistent_slots) + ": H = " + std::to_string(H) +
+                    " fits " + std::to_string(tuning::kPersistentMinSlots) + " to " + std::to_string(fit) +
+                    " row slots in " + std::to_string(budget) + " bytes per block");
+  const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
+  const bool one_pass_fits = slots >= rows + tuning::kPersistentOnePassSpareSlots;
+  if (o.persistent_passes == 1 && !one_pass_fits)
+    return declined("persistent_passes = 1 needs " + std::to_string(rows + tuning::kPersistentOnePassSpareSlots) +
+                    " row slots (a token's " + std::to_string(rows) + " rows and " +
+                    std::to_string(tuning::kPersistentOnePassSpareSlots) + " spare); the ring has " +
+                    std::to_string(slots));
   Plan p;
   p.kernel = KernelKind::persistent;
   p.pdl = o.pdl;
   p.cluster = 1;
   p.vectors = persistent::vectors_per_thread(H);
-  p.threads = persistent::consumer_threads(H) + persistent::kProducerThreads;
+  p.threads = threads;
   p.max_candidates = static_cast<int32_t>(kMaxCandidates);  // N is a runtime value of every instance
+  p.blocks_per_sm = per_sm;
   p.slots = slots;
-  p.passes = slots >= rows + tuning::kPersistentOnePassSpareSlots ? 1 : 2;
+  p.passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass_fits ? 1 : 2;
   p.smem_bytes = static_cast<int32_t>(persistent::smem_bytes(slots, H));
-  const int64_t resident = static_cast<int64_t>(std::max(dev.sm_count, 1)) * tuning::kPersistentBlocksPerSm;
+  const int64_t resident = static_cast<int64_t>(std::max(dev.sm_count, 1)) * per_sm;
   p.blocks = static_cast<int32_t>(std::min<int64_t>(q.tokens, resident));
   return p;
 }
@@ -131,6 +156,14 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (o.cluster < 0 || o.cluster > tuning::kMaxCluster)
     throw ArgumentError(std::string(op_name(q.op)) + ": options.cluster must be in [0, " +
                         std::to_string(tuning::kMaxCluster) + "], got " + std::to_string(o.cluster));
+  const auto knob = [&](const char* name, int32_t value, int32_t max) {
+    if (value < 0 || value > max)
+      throw ArgumentError(std::string(op_name(q.op)) + ": options." + name + " must be in [0, " +
+                          std::to_string(max) + "] (0: the plan's choice), got " + std::to_string(value));
+  };
+  knob("persistent_blocks_per_sm", o.persistent_blocks_per_sm, persistent::kMaxBlocksPerSm);
+  knob("persistent_slots", o.persistent_slots, persistent::kMaxSlots);
+  knob("persistent_passes", o.persistent_passes, 2);
 
   // A shape-only query (attnres.plan) never accepts what the ops would reject.
   if (q.tokens < 1) return declined("T = " + std::to_string(q.tokens) + " tokens: T must be >= 1");

@@ -31,8 +31,9 @@ constexpr int32_t candidate_bucket(int64_t n) {
 
 
 // The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). One block per SM: its ring
-// takes the block's whole shared-memory budget (227 KB on sm_90), so a second block could not be resident.
-// To be measured on the H200 (python -m attnres.bench persistent).
+// takes the block's whole shared-memory budget (227 KB on sm_90). Two blocks per SM with half the ring each
+// (Options::persistent_blocks_per_sm, a benchmark knob) are measured against it by
+// python -m attnres.bench persistent --variants (docs/performance.md, "A throughput model").
 constexpr int64_t kPersistentBlocksPerSm = 1;
 // One pass keeps a token's rows resident from scoring to mixing; it needs the ring to hold them plus at
 // least this many slots, so the next token's rows stream while this one is reduced and mixed (otherwise

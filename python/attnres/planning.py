@@ -25,9 +25,10 @@ class PlanInfo:
     threads: int = 0
     max_candidates: int = 0
     pdl: bool = False
-    # persistent kernel: grid, 16-byte vectors per consumer thread, ring slots, passes over each row, and the
-    # dynamic shared memory of a block (0 for the other kernels)
+    # persistent kernel: grid, blocks per SM, 16-byte vectors per consumer thread, ring slots, passes over each
+    # row, and the dynamic shared memory of a block (0 for the other kernels)
     blocks: int = 0
+    blocks_per_sm: int = 0
     vectors: int = 0
     slots: int = 0
     passes: int = 0
@@ -96,7 +97,7 @@ def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", ad
     persistent = p.kernel == _C.KernelKind.persistent
     return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
                     max_candidates=p.max_candidates, pdl=p.pdl,
-                    **({"blocks": p.blocks, "vectors": p.vectors, "slots": p.slots, "passes": p.passes,
+                    **({"blocks": p.blocks, "blocks_per_sm": p.blocks_per_sm, "vectors": p.vectors, "slots": p.slots, "passes": p.passes,
                         "smem_bytes": p.smem_bytes} if persistent else {}))
 
 

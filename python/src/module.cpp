@@ -145,7 +145,12 @@ NB_MODULE(_C, m) {
       .def_rw("split_max_tokens", &Options::split_max_tokens)
       .def_rw("pdl", &Options::pdl)
       .def_rw("kernel", &Options::kernel)
-      .def_rw("cluster", &Options::cluster);
+      .def_rw("cluster", &Options::cluster)
+      // Benchmark-only tuning knobs of the persistent kernel (attnres._persistent_tuning): underscored, and not
+      // part of attnres.Options nor of the torch.ops schemas.
+      .def_rw("_persistent_blocks_per_sm", &Options::persistent_blocks_per_sm)
+      .def_rw("_persistent_slots", &Options::persistent_slots)
+      .def_rw("_persistent_passes", &Options::persistent_passes);
 
   nb::class_<PlanQuery>(m, "PlanQuery")
       .def(nb::init<>())
@@ -170,6 +175,7 @@ NB_MODULE(_C, m) {
       .def_ro("max_candidates", &Plan::max_candidates)
       .def_ro("pdl", &Plan::pdl)
       .def_ro("blocks", &Plan::blocks)
+      .def_ro("blocks_per_sm", &Plan::blocks_per_sm)
       .def_ro("slots", &Plan::slots)
       .def_ro("passes", &Plan::passes)
       .def_ro("smem_bytes", &Plan::smem_bytes)

@@ -80,6 +80,12 @@ struct Options {
   bool pdl = true;                // programmatic dependent launch on the CUDA kernels
   KernelKind kernel = KernelKind::automatic;  // force a kernel (tests, benchmarks); still validated
   int32_t cluster = 0;            // split_k cluster size override (0: the measured default)
+  // Tuning knobs of the persistent kernel's geometry, for benchmarks (python -m attnres.bench persistent
+  // --variants; Python reaches them only through attnres._persistent_tuning). None changes a result: which
+  // thread owns an element and every reduction order depend on H alone. 0 keeps the plan's choice.
+  int32_t persistent_blocks_per_sm = 0;  // 1 or 2 blocks per SM (2: each gets half the SM's shared memory)
+  int32_t persistent_slots = 0;          // exactly this many ring slots (declined when they do not fit)
+  int32_t persistent_passes = 0;         // 1 or 2 passes per row (1 declined when a token's rows do not fit)
 };
 
 // What the plan needs to know of a call: a pure function of these, the device and the options.
@@ -103,11 +109,12 @@ struct Plan {
   int32_t vectors = 1;
   int32_t max_candidates = 0;  // compile-time bucket of N the kernel instance is built for
   bool pdl = false;
-  // persistent: `blocks` blocks (at most one per SM, never more than T) of `threads` threads (consumer warps
-  // + one producer warp; each consumer thread owns `vectors` 16-byte slices of every row), a ring of `slots`
-  // row slots in `smem_bytes` bytes of dynamic shared memory, each row streamed `passes` times (1: a
-  // token's rows stay resident from scoring to mixing; 2: they do not fit, and are streamed again to mix).
+  // persistent: `blocks` blocks (at most `blocks_per_sm` per SM, never more than T) of `threads` threads
+  // (consumer warps + one producer warp; each consumer thread owns `vectors` 16-byte slices of every row), a
+  // ring of `slots` row slots in `smem_bytes` bytes of dynamic shared memory, each row streamed `passes` times
+  // (1: a token's rows stay resident from scoring to mixing; 2: they do not fit, and are streamed again to mix).
   int32_t blocks = 0;
+  int32_t blocks_per_sm = 0;  // blocks resident per SM the ring is sized for (1, or 2 through the knob)
   int32_t slots = 0;
   int32_t passes = 0;
   int32_t smem_bytes = 0;

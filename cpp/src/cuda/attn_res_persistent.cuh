@@ -1,7 +1,8 @@
-// The persistent attention-residual kernel (sm_90): one block per SM loops over tokens (round-robin), and
-// every candidate row reaches shared memory through a bulk asynchronous copy (cp.async.bulk, completing on
-// an mbarrier with a transaction count) into a ring of row slots. attn_res_rmsnorm and attn_res_add_rmsnorm
-// (one addend) under the persistent topology, and attn_res_add_rmsnorm_persistent, run here.
+// The persistent attention-residual kernel (sm_90): one block per SM (two through a tuning knob) loops over
+// tokens (round-robin), and every candidate row reaches shared memory through a bulk asynchronous copy
+// (cp.async.bulk, completing on an mbarrier with a transaction count) into a ring of row slots.
+// attn_res_rmsnorm and attn_res_add_rmsnorm (one addend) under the persistent topology, and
+// attn_res_add_rmsnorm_persistent, run here.
 //
 // Roles. Warps 0..W-1 consume (W <= 8, persistent_layout.hpp consumer_threads), the last warp produces:
 // its lane 0 streams, token after token, the rows bank[0..K-1], prefix, addend (with the addend) into the
@@ -30,7 +31,8 @@
 // order from +0. split_k mixes its whole N bucket (plan_tuning.hpp candidate_bucket), the rows past N as
 // fma(0, 0, acc) = acc + 0, which turns a -0 mixture element into +0; `mix_pad` repeats that once.
 //
-// Two modes, chosen by the plan from (N, H, shared memory) only and giving identical bits:
+// Two modes, chosen by the plan from (N, H, shared memory) only (or forced by a tuning knob) and giving
+// identical bits:
 //   * one pass (passes = 1): a token's N (+1) rows stay in their slots from scoring to mixing; the ring has at
 //     least one slot more than a token needs, so the next token streams while this one is mixed and rows are
 //     released one by one as they are mixed;
@@ -39,7 +41,8 @@
 //     bytes (from L2 when they are still there) and repeats the same arithmetic, so the results do not change.
 //
 // Determinism: which thread owns an element and every reduction order depend on H only (the plan's consumer
-// count and vector bucket), never on T, on the block that runs the token, on the grid or on the ring depth.
+// count and vector bucket), never on T, on the block that runs the token, on the grid, on the blocks per SM,
+// on the ring depth or on the passes (the tuning knobs of attnres::Options change only those).
 //
 // PDL: before griddepcontrol.wait the consumers load the weights (into registers, once per block; for H > 8192
 // the norm weight into thread-private shared memory) and the producer may issue copies of the first token's
@@ -283,9 +286,11 @@ __device__ __forceinline__ float chunked_sum(const float* base, int stride, int 
 }
 
 // V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`); FP8: the e4m3
-// epilogue (step 5), a compile-time variant.
-template <int V, bool ADD, Fp8Mode FP8 = Fp8Mode::none>
-__global__ void __launch_bounds__(persistent::kMaxThreads, 1)
+// epilogue (step 5), a compile-time variant; BLOCKS_PER_SM: 1, or 2 for the tuning knob's instances (at most
+// kTwoBlocksMaxThreads threads, registers capped so that two blocks are resident; the same code, the same bits).
+template <int V, bool ADD, Fp8Mode FP8 = Fp8Mode::none, int BLOCKS_PER_SM = 1>
+__global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads : persistent::kTwoBlocksMaxThreads,
+                                  BLOCKS_PER_SM)
     attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   float* const partials = reinterpret_cast<float*>(smem + persistent::kPartialsOffset);  // [n][warp][2]

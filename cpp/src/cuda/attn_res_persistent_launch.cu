@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <atomic>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "backend.hpp"
 #include "cuda/attn_res_persistent.cuh"
@@ -29,12 +32,29 @@ PersistentFn by_vectors(int vectors) {
   }
 }
 
+// The two-blocks-per-SM instances of the tuning knob: no FP8 epilogue, and no 8-vector bucket (H > 8192 takes
+// more than kTwoBlocksMaxThreads threads); the plan declines both.
+template <bool ADD>
+PersistentFn two_blocks_by_vectors(int vectors) {
+  switch (vectors) {
+    case 1: return attn_res_persistent_kernel<1, ADD, Fp8Mode::none, 2>;
+    case 2: return attn_res_persistent_kernel<2, ADD, Fp8Mode::none, 2>;
+    case 4: return attn_res_persistent_kernel<4, ADD, Fp8Mode::none, 2>;
+    default: return nullptr;
+  }
+}
+
 template <Fp8Mode F>
 PersistentFn by_add(bool add, int vectors) {
   return add ? by_vectors<true, F>(vectors) : by_vectors<false, F>(vectors);
 }
 
-PersistentFn select_kernel(Fp8Scales fp8, bool add, int vectors) {
+PersistentFn select_kernel(Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
+  if (blocks_per_sm == 2) {
+    if (fp8 != Fp8Scales::none) return nullptr;
+    return add ? two_blocks_by_vectors<true>(vectors) : two_blocks_by_vectors<false>(vectors);
+  }
+  if (blocks_per_sm != 1) return nullptr;
   switch (fp8) {
     case Fp8Scales::none: return by_add<Fp8Mode::none>(add, vectors);
     case Fp8Scales::per_token: return by_add<Fp8Mode::per_token>(add, vectors);
@@ -49,19 +69,54 @@ PersistentFn select_kernel(Fp8Scales fp8, bool add, int vectors) {
 // stream operation nor a synchronisation: it is legal while a CUDA graph is being captured
 // (tests/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
 constexpr int kMaxDevices = 64;
-constexpr int kInstances = 24;  // 4 vector buckets x (add, no add) x 3 FP8 modes
+constexpr int kInstances = 48;  // (4 vector buckets x (add, no add) x 3 FP8 modes) x (1, 2 blocks per SM)
 
-int instance_index(int vectors, bool add, Fp8Scales fp8) {
+int instance_index(int vectors, bool add, Fp8Scales fp8, int blocks_per_sm) {
   const int bucket = vectors == 1 ? 0 : vectors == 2 ? 1 : vectors == 4 ? 2 : 3;
-  return (static_cast<int>(fp8) * 4 + bucket) * 2 + (add ? 1 : 0);
+  return ((blocks_per_sm - 1) * 3 * 4 + static_cast<int>(fp8) * 4 + bucket) * 2 + (add ? 1 : 0);
 }
 
-void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes) {
+// Two blocks per SM only help if both are resident: a plan for two that the instance cannot honour (registers,
+// shared memory) is refused instead of silently running one block per SM. The occupancy calculator is a
+// host-side calculation, not a stream operation; its answer is kept per (device, instance, threads, shared
+// memory), so a capture after an eager call (the benchmark's) asks nothing.
+void check_resident(AttnResOp op, PersistentFn kernel, int instance, int device, const Plan& plan) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int, int>, int> resident;
+  const auto key = std::make_tuple(device, instance, plan.threads, plan.smem_bytes);
+  int blocks = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto it = resident.find(key);
+    if (it != resident.end()) {
+      blocks = it->second;
+    } else {
+      cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads,
+                                                               static_cast<size_t>(plan.smem_bytes)),
+                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor(persistent kernel)");
+      resident.emplace(key, blocks);
+    }
+  }
+  if (blocks < plan.blocks_per_sm)
+    throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.blocks_per_sm) +
+                           " blocks per SM are not resident (" + std::to_string(blocks) + " block(s) of " +
+                           std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem_bytes) +
+                           " bytes of shared memory fit an SM)");
+}
+
+// Two blocks per SM also ask for the largest shared-memory carveout: the driver picks the L1/shared split per
+// launch, and one sized for a single block would leave the second without room.
+void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes,
+                            int blocks_per_sm) {
   static std::atomic<bool> done[kMaxDevices][kInstances] = {};
   std::atomic<bool>* flag = device >= 0 && device < kMaxDevices ? &done[device][instance] : nullptr;
   if (flag && flag->load(std::memory_order_acquire)) return;
   cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_optin_bytes),
              "cudaFuncSetAttribute(persistent kernel, MaxDynamicSharedMemorySize)");
+  if (blocks_per_sm > 1)
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared),
+               "cudaFuncSetAttribute(persistent kernel, PreferredSharedMemoryCarveout)");
   if (flag) flag->store(true, std::memory_order_release);
 }
 
@@ -70,17 +125,19 @@ void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int d
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
-  const PersistentFn kernel = select_kernel(a.fp8, add, plan.vectors);
+  const PersistentFn kernel = select_kernel(a.fp8, add, plan.vectors, plan.blocks_per_sm);
   const int64_t H = a.layer_residual.shape[1];
   const int32_t consumers = plan.threads - persistent::kProducerThreads;
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
   if (kernel == nullptr || a.layer_residual_add2.present() || plan.slots < 1 || plan.passes < 1 ||
       plan.passes > 2 || plan.blocks < 1 || consumers % 32 != 0 || consumers < 32 ||
       consumers > persistent::kMaxConsumerWarps * 32 || consumers != persistent::consumer_threads(H) ||
+      (plan.blocks_per_sm > 1 && plan.threads > persistent::kTwoBlocksMaxThreads) ||
       plan.vectors != persistent::vectors_per_thread(H) ||
       plan.smem_bytes != persistent::smem_bytes(plan.slots, H))
     throw UnsupportedError(std::string(op_name(op)) + ": no persistent kernel instance for the plan (vectors " +
                            std::to_string(plan.vectors) + ", threads " + std::to_string(plan.threads) +
+                           ", blocks per SM " + std::to_string(plan.blocks_per_sm) +
                            ", slots " + std::to_string(plan.slots) + ", passes " + std::to_string(plan.passes) + ")");
 
   PersistentParams p{};
@@ -130,7 +187,9 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   if (plan.smem_bytes > optin)
     throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.smem_bytes) +
                            " bytes of shared memory exceed the device's " + std::to_string(optin));
-  opt_into_shared_memory(kernel, instance_index(plan.vectors, add, a.fp8), device, optin);
+  const int instance = instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm);
+  opt_into_shared_memory(kernel, instance, device, optin, plan.blocks_per_sm);
+  if (plan.blocks_per_sm > 1) check_resident(op, kernel, instance, device, plan);
 
   cudaLaunchAttribute attrs[1];
   unsigned n_attrs = 0;

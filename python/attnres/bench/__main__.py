@@ -9,7 +9,7 @@ import torch
 
 import attnres
 
-from . import allreduce, chain, decode, finalize, floors, fp8, guard, persistent, results, tp, tune
+from . import allreduce, chain, decode, finalize, floors, fp8, guard, persistent, persistent_variants, results, tp, tune
 
 
 def _progress_printer():
@@ -35,7 +35,8 @@ SUITES = {
     "floors": "copy bandwidth and launch floor of the GPU",
     "chain": "the 93-layer Kimi K3 decode step, MoE-tail fold on vs off, one CUDA graph per step",
     "persistent": "the persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
-                  "12}, with and without the addend (about 3 minutes; not part of 'all'; --hidden sets H)",
+                  "12}, with and without the addend (about 3 minutes; not part of 'all'; --hidden sets H); "
+                  "--variants: the kernel's geometry variants at T = 4096, 16384 x N = 2, 9 instead (about a minute)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -80,6 +81,10 @@ def parser() -> argparse.ArgumentParser:
                         "so that a failure there cannot take the chain's numbers with it")
     t.add_argument("--symm-mem", action="store_true",
                    help="also time torch's symmetric-memory one-shot all-reduce (P2P over NVLink, no multicast)")
+    v = p.add_argument_group("persistent")
+    v.add_argument("--variants", action="store_true",
+                   help="persistent: time the kernel's geometry variants (blocks per SM, ring slots, passes) "
+                        "interleaved against the copy floor, each checked bitwise (docs/performance.md)")
     f = p.add_argument_group("fp8")
     f.add_argument("--pow2", action="store_true", help="fp8: power-of-two scales (fp8_pow2_scales=True)")
     g = p.add_argument_group("guard")
@@ -101,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.device == "cpu" and args.suite not in ("chain", "tp", "allreduce"):
         p.error("--device cpu applies to the chain, tp and allreduce suites only")
+    if args.variants and args.suite != "persistent":
+        p.error("--variants applies to the persistent suite only")
+    if args.variants and args.quick:
+        p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9): drop --quick")
     if args.suite == "persistent" and args.hidden is not None and (
             args.hidden % 8 or not 8 <= args.hidden <= 16384):
         p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
@@ -144,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite == "persistent":
             copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
             extra.setdefault("floors", {})["copy_tbs"] = copy_tbs
-            records += persistent.run(quick=args.quick, H=args.hidden or persistent.H_DEFAULT,
-                                      pdl=not args.no_pdl, copy_tbs=copy_tbs, progress=progress,
-                                      repeats=args.repeats)
+            suite = persistent_variants if args.variants else persistent
+            records += suite.run(**({} if args.variants else {"quick": args.quick}),
+                                 H=args.hidden or persistent.H_DEFAULT, pdl=not args.no_pdl, copy_tbs=copy_tbs,
+                                 progress=progress, repeats=args.repeats)
     except KeyboardInterrupt:
         # A wall-clock limit (gpu_check.sh runs the long suites under `timeout -s INT`) or Ctrl-C: keep what was
         # measured rather than losing the whole sweep; the file says it is partial.
@@ -165,11 +175,23 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     for line in persistent.summary(records):
         print(line)
+    for line in persistent_variants.summary(records):
+        print(line)
     for line in fp8.summary(records):
         print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")
-    return 0 if _chains_agree(records) and _fp8_agrees(records) and not extra.get("interrupted") else 1
+    ok = _chains_agree(records) and _fp8_agrees(records) and _variants_agree(records)
+    return 0 if ok and not extra.get("interrupted") else 1
+
+
+def _variants_agree(records: list[dict]) -> bool:
+    """The persistent variants' correctness check (every geometry = the per-token kernel's bits), on stderr."""
+    bad = persistent_variants.differing(records)
+    if bad:
+        print(f"persistent variants: output bits DIFFER from the per-token kernel's at (T, N, H, variant) = {bad}",
+              file=sys.stderr)
+    return not bad
 
 
 def _fp8_agrees(records: list[dict]) -> bool:
