@@ -24,7 +24,8 @@ def cpu_records():
 
 def test_cpu_records_cover_every_site_token_and_provider(cpu_records):
     keys = sorted((r["site"], r["T"], r["provider"]) for r in cpu_records)
-    assert keys == sorted((s, T, p) for s in allreduce.SITES for T in (1, 2) for p in allreduce.PROVIDERS)
+    assert keys == sorted((s, T, p) for s in allreduce.SITES for T in (1, 2) for p in allreduce.PROVIDERS
+                          if s != "moe_finalize" or p != "fused_one_kernel")
     for r in cpu_records:
         assert r["suite"] == "allreduce" and r["W"] == 2 and r["device"] == "cpu"
         assert r["graph"] is False and r["lower_bound"] is False and r["timer"] == allreduce.TIMER_CPU
