@@ -32,7 +32,7 @@ def test_cpu_records_cover_every_site_token_and_provider(cpu_records):
     for r in cpu_records:
         assert r["suite"] == "allreduce" and r["W"] == 2 and r["device"] == "cpu"
         assert r["graph"] is False and r["lower_bound"] is False and r["timer"] == allreduce.TIMER_CPU
-        assert r["bitwise_equal"] is True
+        assert r["bitwise_equal"] is True and r["stalls"] == 0
         assert r["median_us"] > 0 and r["p10_us"] <= r["p90_us"]
         shape = ("D", "k") if r["site"] == "moe_finalize" else ("H", "N")
         assert all(key in r for key in shape)
@@ -54,6 +54,40 @@ def test_bitwise_check_has_teeth(monkeypatch):
     assert {r["bitwise_equal"] for r in records} == {False}
 
 
+def test_moe_finalize_runs_at_its_own_tokens():
+    """The MoE finalize's points (its token gate's A/B) need not be the sites' T."""
+    records = allreduce.run(tokens=(1,), moe_tokens=(2, 3), device="cpu", repeats=1)
+    points = sorted({(r["site"], r["T"]) for r in records})
+    assert points == [("add", 1), ("add2", 1), ("moe_finalize", 2), ("moe_finalize", 3)]
+    assert all(r["bitwise_equal"] for r in records)
+
+
+def test_a_stalled_point_is_measured_again_and_counted(monkeypatch):
+    """A point whose exchange stalls (CommunicatorError) runs again on a fresh world, at most MAX_STALLS times;
+    its records count the stalls; one stall more raises."""
+    from attnres.tp import CommunicatorError
+
+    real, failures, worlds = allreduce._point, [], []
+
+    def flaky(site, T, world, *args):
+        worlds.append(world)
+        if len(failures) < budget:
+            failures.append(site)
+            raise CommunicatorError("stalled")
+        return real(site, T, world, *args)
+
+    monkeypatch.setattr(allreduce, "_point", flaky)
+    budget = 1
+    records = allreduce.run(tokens=(1,), moe_tokens=(1,), device="cpu", repeats=1, sites=("add",))
+    assert {r["stalls"] for r in records} == {1} and len(worlds) == 2 and worlds[0] is not worlds[1]
+    assert worlds[0].comms[0].closed
+    assert any("1 stalled" in line for line in allreduce.summary(records))
+    failures.clear()
+    budget = allreduce.MAX_STALLS + 1
+    with pytest.raises(CommunicatorError):
+        allreduce.run(tokens=(1,), device="cpu", repeats=1, sites=("add",))
+
+
 def test_summary_table(cpu_records):
     lines = allreduce.summary(cpu_records)
     assert allreduce.CPU_NOTE in lines[0] and "fused-plain" in lines[1]
@@ -69,6 +103,8 @@ def test_run_rejects_bad_arguments():
         allreduce.run(device="cpu", repeats=0)
     with pytest.raises(ValueError, match="tokens"):
         allreduce.run(device="cpu", tokens=(0,))
+    with pytest.raises(ValueError, match="moe_tokens"):
+        allreduce.run(device="cpu", tokens=(1,), moe_tokens=())
     if not HAS_CUDA:
         with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
             allreduce.run(device="cuda")
@@ -97,6 +133,8 @@ def test_cli_refuses_without_a_gpu(tmp_path, capsys):
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_quick_point_under_graph_replay():
+    """Every site under per-rank graph replay (a graph per rank on the rank's stream); a long replay stays
+    live: the exchange never waits out its bound (world.check inside run raises if it did)."""
     records = allreduce.run(tokens=(1, 4), device="cuda", repeats=3)
     assert len(records) == 2 * PER_T
     for r in records:

@@ -30,12 +30,25 @@ CLEAN = "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
 GTEST_OK = "[  PASSED  ] 11 tests.\n"
 PYTEST_OK = "===== 79 passed, 844 deselected in 54.0s =====\n"
 
+# The options of compute-sanitizer 2025.3's --help that the script looks for, --kernel-name with its keys.
+HELP_WITH_FILTER = """  --print-limit arg (=100)              Stop printing messages after this number of errors.
+  --require-cuda-init arg (=1)          Return an error if the application did not call a CUDA API.
+  --kernel-name arg                     Filter the kernels to check, as key=value[,key=value...]; several
+                                        --kernel-name options are additive. Keys: kernel_name (kne): the
+                                        exact mangled name; kernel_substring (kns): a substring of the mangled
+                                        name; regex: a regular expression found in the mangled name.
+  --kernel-name-exclude arg             Filter the kernels not to check, same syntax.
+"""
+HELP_WITHOUT_FILTER = "  --print-limit arg (=100)\n  --require-cuda-init arg (=1)\n"
+
 FAKE_CS = r"""#!/usr/bin/env bash
-[[ $1 == --help ]] && { echo "--print-limit --require-cuda-init"; exit 0; }
+[[ $1 == --help ]] && { cat "$FAKE_DIR/help.txt"; exit 0; }
 [[ $1 == --version ]] && { echo "fake compute-sanitizer"; exit 0; }
+printf '%s\n' "$*" >>"$FAKE_DIR/calls.txt"
 case "$*" in
   *"probe ordered"*) step=probe_ordered ;;
-  *"probe racy"*) step=probe_racy ;;
+  *"probe racy"*) step=probe_racy
+    [[ $* != *--kernel-name* && -f $FAKE_DIR/probe_racy_unfiltered.log ]] && step=probe_racy_unfiltered ;;
   *"-m pytest"*) step=pytest ;;
   *"/cpp/tests/test_cuda_backend "*) step=gtest_backend ;;
   *"/cpp/tests/test_moe_finalize "*) step=gtest_moe ;;
@@ -46,12 +59,47 @@ exit "$(cat "$FAKE_DIR/$step.rc")"
 """
 
 
-def run_sanitize(tmp_path: Path, logs: dict[str, tuple[str, int]]):
+# cuobjdump -symbols of binaries holding library kernels (one in an anonymous inner namespace), in the layout of
+# cuobjdump 13.5 (first) and the STT_/STB_/STO_ one, with non-entry functions around them.
+SYMBOLS = """
+Fatbin elf code:
+================
+arch = sm_90
+identifier = moe_finalize_kernel.cu
+
+symbols:
+FUNC          LOCAL   DEFAULT    ENTRY                                _ZN7attnres6detail55_GLOBAL__N__6f46393b_22_moe_finalize_kernel_cu_8ace654e23moe_finalize_single_ctaILi4ELi2EfEEvNS1_9MoeParamsE
+OBJECT        WEAK    DEFAULT    -                                 U  .nv.reservedSmem.offset0
+FUNC          WEAK    DEFAULT    -                                    $__internal_0_$__cuda_sm20_sqrt_rn_f32_slowpath
+
+Fatbin elf code:
+================
+arch = sm_90
+code version = [1,8]
+host = linux
+compile_size = 64bit
+
+symbols:
+STT_SECTION      STB_LOCAL  .text._ZN7attnres6detail21moe_finalize_single_ctaENS0_9MoeParamsE
+STT_FUNC         STB_GLOBAL STO_ENTRY      _ZN7attnres6detail24attn_res_per_token_kernelILi9ELi2ELb1EEEvNS0_14PerTokenParamsE
+STT_FUNC         STB_LOCAL  STO_ENTRY      _ZN7attnres6detail48_GLOBAL__N__1e27ced5_19_all_reduce_kernel_cu_110ea77f19one_shot_all_reduceENS0_15AllReduceParamsE
+STT_FUNC         STB_GLOBAL                _ZN7attnres6detail14warp_reduce_sumEf
+"""
+
+
+def run_sanitize(tmp_path: Path, logs: dict[str, tuple[str, int]], help_text: str = HELP_WITH_FILTER,
+                 symbols: str | None = None, **env_over: str):
     fake = tmp_path / "fake"
     fake.mkdir()
+    (fake / "help.txt").write_text(help_text)
     cs = fake / "compute-sanitizer"
     cs.write_text(FAKE_CS)
     cs.chmod(cs.stat().st_mode | stat.S_IXUSR)
+    cuobjdump = fake / "cuobjdump"
+    if symbols is not None:
+        (fake / "symbols.txt").write_text(symbols)
+        cuobjdump.write_text('#!/bin/sh\n[ "$1" = -symbols ] && cat "$FAKE_DIR/symbols.txt"\n')
+        cuobjdump.chmod(0o755)
     for step, (text, rc) in logs.items():
         (fake / f"{step}.log").write_text(text)
         (fake / f"{step}.rc").write_text(str(rc))
@@ -61,14 +109,22 @@ def run_sanitize(tmp_path: Path, logs: dict[str, tuple[str, int]]):
         (tests / name).write_text("#!/bin/sh\n")
         (tests / name).chmod(0o755)
     env = dict(os.environ, OUT=str(tmp_path / "out"), SANITIZE_TOOLS="racecheck", FAKE_DIR=str(fake),
-               COMPUTE_SANITIZER=str(cs), SANITIZE_CTEST_DIR=str(tmp_path / "ctest"), SANITIZE_PROBE="probe")
+               COMPUTE_SANITIZER=str(cs), SANITIZE_CTEST_DIR=str(tmp_path / "ctest"), SANITIZE_PROBE="probe",
+               SANITIZE_CUOBJDUMP=str(cuobjdump))
+    env.pop("SANITIZE_KERNEL_FILTER", None)
+    env.update(env_over)
     r = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     summary = (tmp_path / "out" / "sanitize_summary.txt").read_text()
     return r.returncode, summary
 
 
-def row(summary: str, step: str) -> str:
-    return next(line for line in summary.splitlines() if line.startswith("racecheck") and f" {step} " in line)
+def calls(tmp_path: Path) -> list[str]:
+    """The command line of every sanitizer run, in order."""
+    return (tmp_path / "fake" / "calls.txt").read_text().splitlines()
+
+
+def row(summary: str, step: str, tool: str = "racecheck") -> str:
+    return next(line for line in summary.splitlines() if line.startswith(tool) and f" {step} " in line)
 
 
 def base_logs(**over):
@@ -116,3 +172,71 @@ def test_a_racecheck_that_misses_the_racy_probe_fails(tmp_path):
     rc, summary = run_sanitize(tmp_path, base_logs(probe_racy=(CLEAN, 0)))
     assert rc == 1
     assert "NOT REPORTED" in row(summary, "probe_racy")
+
+
+# ------------------------------------------------------------------------------------------ the kernel filter
+def test_every_racecheck_run_is_filtered_to_the_library_namespace(tmp_path):
+    rc, summary = run_sanitize(tmp_path, base_logs())
+    assert rc == 0, summary
+    assert "kernel filter (racecheck, synccheck): kns=7attnres6detail" in summary
+    runs = calls(tmp_path)
+    assert len(runs) == 5  # the two probes, two gtest suites, pytest
+    for line in runs:
+        assert "--kernel-name kns=7attnres6detail" in line, line
+    # The mangled name of a kernel in attnres::detail (an anonymous inner namespace too) holds the substring.
+    assert "7attnres6detail" in SYMBOLS.split("STO_ENTRY")[2] and "_GLOBAL__N_" in SYMBOLS.split("STO_ENTRY")[2]
+
+
+def test_several_filters_become_several_options(tmp_path):
+    rc, summary = run_sanitize(tmp_path, base_logs(), SANITIZE_KERNEL_FILTER="kns=attn_res regex=detail.*reduce")
+    assert rc == 0, summary
+    for line in calls(tmp_path):
+        assert "--kernel-name kns=attn_res --kernel-name regex=detail.*reduce" in line, line
+
+
+def test_without_the_option_nothing_is_filtered(tmp_path):
+    rc, summary = run_sanitize(tmp_path, base_logs(), help_text=HELP_WITHOUT_FILTER)
+    assert rc == 0, summary
+    assert "kernel filter (racecheck, synccheck): none" in summary
+    assert not any("--kernel-name" in line for line in calls(tmp_path))
+
+
+def test_a_racy_probe_the_filter_misses_fails_the_run(tmp_path):
+    """Under the filter the racy probe is clean (the filter selected no kernel); unfiltered it is reported: the
+    filter is what missed, and the run must fail although every step is 'clean'."""
+    logs = base_logs(probe_racy=(CLEAN, 0), probe_racy_unfiltered=(race_log([RING_WRITE], ""), 99))
+    rc, summary = run_sanitize(tmp_path, logs)
+    assert rc == 1, summary
+    assert "NOT REPORTED under the filter" in row(summary, "probe_racy")
+    assert "the filter missed the probe kernel" in row(summary, "probe_racy_unfiltered")
+    assert "RESULT: TEST FAILURES" in summary
+    assert "--kernel-name" not in calls(tmp_path)[2]  # the rerun is unfiltered
+
+
+def test_a_racecheck_that_misses_the_probe_either_way_fails(tmp_path):
+    logs = base_logs(probe_racy=(CLEAN, 0), probe_racy_unfiltered=(CLEAN, 0))
+    rc, summary = run_sanitize(tmp_path, logs)
+    assert rc == 1
+    assert "NOT REPORTED: racecheck missed it" in row(summary, "probe_racy_unfiltered")
+
+
+def test_static_check_counts_the_library_kernels_the_filter_matches(tmp_path):
+    rc, summary = run_sanitize(tmp_path, base_logs(), symbols=SYMBOLS)
+    assert rc == 0, summary
+    line = row(summary, "static check", tool="filter")
+    assert " matches " in line and "kns=7attnres6detail: 3 of 3 entries" in line, line
+
+
+def test_a_filter_that_matches_no_kernel_fails_the_run(tmp_path):
+    rc, summary = run_sanitize(tmp_path, base_logs(), symbols=SYMBOLS,
+                               SANITIZE_KERNEL_FILTER="kns=7attnres6detail kne=attn_res_per_token_kernel")
+    assert rc == 1, summary
+    line = row(summary, "static check", tool="filter")
+    assert "MATCHES NO KERNEL: kne=attn_res_per_token_kernel" in line, line  # kne wants the whole mangled name
+    assert "kns=7attnres6detail: 3 of 3 entries" in line
+
+
+def test_regex_filter_is_a_search_in_the_mangled_name(tmp_path):
+    rc, summary = run_sanitize(tmp_path, base_logs(), symbols=SYMBOLS, SANITIZE_KERNEL_FILTER="regex=one_shot_all_r.duce")
+    assert rc == 0, summary
+    assert "regex=one_shot_all_r.duce: 1 of 3 entries" in row(summary, "static check", tool="filter")

@@ -11,6 +11,7 @@ path), and the pieces in one process: Shards, the stand-ins, the launcher's envi
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 import os
@@ -32,6 +33,7 @@ from attnres.tp.cli import check_rank_variants, default_opts, main
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
 TWO_GPUS, NO_TWO_GPUS = cuda_ranks_available(2)
+ONE_GPU, NO_ONE_GPU = cuda_ranks_available(1)
 BACKENDS = ["gloo-cpu", pytest.param("nccl-cuda", marks=[pytest.mark.gpu,
                                                          pytest.mark.skipif(not TWO_GPUS, reason=NO_TWO_GPUS)])]
 # Checks per T at W = 2: per step 2 rank agreement, 2 all-reduce audits, 2 one-shot rank agreements, 2 one-shot
@@ -104,6 +106,109 @@ def test_two_ranks(backend, tmp_path):
     assert _select(checks, "finalize", f"D={3584 if device == 'cuda' else 256} k=16")
     # The split really changes the rounding (the tolerance is exercised, not idle).
     assert any(not c.detail.startswith("0 of") for c in _select(checks, "finalize", "latent (before the norm)"))
+
+
+# ------------------------------------------------------------------------------------------ W ranks on one GPU
+# (W, T values, steps, layers): the real width (H = 7168, latent 3584) on a short chain; few steps and small T,
+# since each process's kernels get the GPU only in its time slices.
+ONE_GPU_RUNS = [(2, "1,4", 2, 14), (4, "1", 1, 6)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ONE_GPU, reason=NO_ONE_GPU)
+@pytest.mark.parametrize("W,tokens,steps,layers", ONE_GPU_RUNS, ids=[f"W{r[0]}" for r in ONE_GPU_RUNS])
+def test_ranks_as_processes_on_one_gpu(W, tokens, steps, layers, tmp_path):
+    """`python -m attnres.tp check --one-gpu`: W processes on cuda:0, gloo for torch.distributed, the one-shot
+    ops through CUDA IPC. The same families of checks as on W GPUs pass: ranks bit-identical (torch.distributed
+    path and one-shot ops), every all-reduce within its bound, at W = 2 TP == TP = 1 on the summed partials and
+    the one-shot chain == the torch.distributed chain bitwise, at W = 4 the one-shot sites taken, fold on == fold
+    off, the MoE's local-route finalize, the finalize under TP at the real latent shape."""
+    out = tmp_path / "checks.json"
+    cmd = [sys.executable, "-m", "attnres.tp", "check", "--one-gpu", "--device", "cuda", "--nproc", str(W),
+           "--tokens", tokens, "--steps", str(steps), "--layers", str(layers), "--block", "4", "--json", str(out)]
+    try:
+        # Below the GPU suite's per-test limit (tools/gpu_check.sh: 180 s), so that a stall shows its output.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} ran past 170 s; its output so far:\n{e.stdout or ''}\n{e.stderr or ''}")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, text
+    assert f"{W} ranks on gloo (every rank on cuda:0), H=7168" in proc.stdout, text
+    checks = [C.Check(**r) for r in json.loads(out.read_text())]
+    n_t = len(tokens.split(","))
+    _assert_all_pass(checks, n_t * (EXPECTED_PER_T["chain"](steps, W) + EXPECTED_PER_T["finalize"](W)))
+    per_fold = n_t * steps * 2
+    _assert_all_pass(_select(checks, "ranks bit-identical", "step"), per_fold)
+    assert all(f"{W} ranks" in c.detail for c in _select(checks, "ranks bit-identical", "step"))
+    _assert_all_pass(_select(checks, "every all-reduce within"), per_fold)
+    _assert_all_pass(_select(checks, "one-shot ops: every rank holds the same bits"), per_fold)
+    if W == 2:
+        _assert_all_pass(_select(checks, "TP=2 == TP=1 on the summed partials (bitwise)"), per_fold)
+        fused = _select(checks, "one-shot fused ops == the torch.distributed path (bitwise)")
+    else:
+        fused = _select(checks, "one-shot fused ops taken")
+    _assert_all_pass(fused, per_fold)
+    assert all("attention:fused" in c.detail and "moe_finalize:fused" in c.detail for c in fused)
+    assert all("shared:fused" in c.detail for c in fused if "fold on" in c.name)
+    folds = _select(checks, f"fold on == fold off under TP={W}")
+    _assert_all_pass(folds, n_t * steps)
+    assert all("fold taken at" in c.detail for c in folds)
+    _assert_all_pass(_select(checks, "local-route finalize + all-reduce + latent norm"), 2 * n_t)
+    _assert_all_pass(_select(checks, "finalize", "D=3584 k=16", "ranks bit-identical after the all-reduce"), n_t)
+
+
+def test_one_gpu_flag_rejections(monkeypatch, capfd):
+    """--one-gpu puts every rank on cuda:0: with --device cpu, or where cuda:0 cannot take the ranks, the
+    command line refuses before spawning anything (exit 2, the reason on stderr)."""
+    L = importlib.import_module("attnres.tp.launch")  # (attnres.tp.launch is also the function)
+
+    with pytest.raises(SystemExit) as e:
+        main(["check", "--one-gpu", "--device", "cpu"])
+    assert e.value.code == 2
+    assert "--one-gpu: one GPU for every rank: device must be 'cuda' or 'auto', got 'cpu'" in capfd.readouterr().err
+    monkeypatch.setattr(L, "cuda_ranks_available", lambda n: (False, "no CUDA device visible"))
+    for device in ("cuda", "auto"):
+        with pytest.raises(SystemExit) as e:
+            main(["check", "--one-gpu", "--device", device, "--nproc", "2"])
+        assert e.value.code == 2
+        assert "--one-gpu: attnres.tp: one GPU for every rank: no CUDA device visible" in capfd.readouterr().err
+
+
+def test_resolve_one_gpu_device(monkeypatch):
+    L = importlib.import_module("attnres.tp.launch")  # (attnres.tp.launch is also the function)
+
+    asked = []
+    monkeypatch.setattr(L, "cuda_ranks_available", lambda n: (asked.append(n), (True, ""))[1])
+    assert L.resolve_one_gpu_device("cuda") == "cuda" and L.resolve_one_gpu_device("auto") == "cuda"
+    assert asked == [1, 1]  # one GPU, whatever the world size
+    for bad in ("cpu", "tpu"):
+        with pytest.raises(ValueError, match="device must be 'cuda' or 'auto'"):
+            L.resolve_one_gpu_device(bad)
+    monkeypatch.setattr(L, "cuda_ranks_available", lambda n: (False, "attnres was built without the CUDA backend"))
+    with pytest.raises(RuntimeError, match="one GPU for every rank: attnres was built without the CUDA backend"):
+        L.resolve_one_gpu_device("cuda")
+
+
+def test_one_gpu_option_defaults_off_and_reaches_init(monkeypatch):
+    """The rank entry point passes the option to init (the default is the per-GPU / CPU group)."""
+    import attnres.tp.cli as cli
+
+    assert default_opts()["one_gpu"] is False
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(device, *, one_gpu=False):
+        seen.append((device, one_gpu))
+        raise Stop
+
+    monkeypatch.setattr(cli, "init", fake_init)
+    monkeypatch.setattr(cli, "shutdown", lambda: None)
+    for one_gpu in (False, True):
+        with pytest.raises(Stop):
+            check_rank_variants(default_opts(device="cuda", one_gpu=one_gpu), [{}])
+    assert seen == [("cuda", False), ("cuda", True)]
 
 
 # ------------------------------------------------------------------------------------------ the checks' teeth

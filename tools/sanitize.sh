@@ -22,9 +22,14 @@
 # memcheck and initcheck instrument every kernel (PyTorch's too: a torch kernel reading an output element our
 # kernel never wrote is a finding of ours, and writes by uninstrumented kernels would look uninitialized to
 # initcheck); initcheck runs with default options. racecheck and synccheck instrument only the
-# library's kernels (attn_res_per_token*, attn_res_persistent*, moe_finalize*) when this compute-sanitizer has a regex kernel filter
-# (PyTorch's kernels are slow under racecheck and not ours to judge). The summary breaks every tool's findings
-# down by kernel name.
+# library's kernels: `--kernel-name kns=7attnres6detail`, a substring of the mangled name of every kernel in
+# namespace attnres::detail (_ZN7attnres6detail..., anonymous inner namespaces included), whenever this
+# compute-sanitizer lists --kernel-name in its --help (PyTorch's kernels are slow under racecheck and not ours to
+# judge). A filter that matches no kernel must not pass as clean, so it is checked twice: statically, against the
+# kernel entries cuobjdump lists in the built binaries (no match: a failure), and at run time, where the racy
+# probe of (d) (its kernel is in attnres::detail too) runs under the same filter and must be reported (when it is
+# not, it runs once more unfiltered to tell a filter that misses from a racecheck that misses). The summary
+# breaks every tool's findings down by kernel name.
 #
 # Environment (all optional):
 #   OUT                          output folder (default ./gpu_out)
@@ -32,12 +37,18 @@
 #   SANITIZE_SIZE_<TOOL>         small | medium | large: how many pytest cases the tool runs (defaults: memcheck
 #                                medium; racecheck, synccheck, initcheck small); SANITIZE_SIZE sets all four
 #   SANITIZE_STRESS_CALLS        random calls of (c) (default 100: 300 did not finish in 123 s; 0 skips)
-#   SANITIZE_STEP_TIMEOUT        seconds per sanitizer process (default 150)
+#   SANITIZE_STEP_TIMEOUT        seconds per sanitizer process (default 240: racecheck's pytest step)
 #   SANITIZE_BUDGET_S            overall seconds; steps that would start later are reported as not run (default 470)
 #   SANITIZE_K_MAIN, SANITIZE_K_GRAPH   override the pytest -k expressions of (b)
 #   SANITIZE_GTEST_FILTER (memcheck), SANITIZE_GTEST_FILTER_RACECHECK (racecheck, synccheck, initcheck),
 #   SANITIZE_GTEST_FILTER_MOE   override (a)'s filters
-#   SANITIZE_KERNEL_FILTER       compute-sanitizer --kernel-name value ("none": instrument every kernel)
+#   SANITIZE_KERNEL_FILTER       racecheck/synccheck --kernel-name values, several separated by spaces (additive:
+#                                one --kernel-name each), e.g. "kns=attn_res_persistent regex=moe_finalize";
+#                                keys kne/kernel_name (exact mangled name), kns/kernel_substring (substring of the
+#                                mangled name), regex (found in the mangled name); "none": instrument every kernel.
+#                                It must match the probe's kernel (attnres::detail::racecheck_probe::ring_probe)
+#                                too, or the run fails at (d)
+#   SANITIZE_CUOBJDUMP           cuobjdump for the static filter check (default: on PATH, else /usr/local/cuda/bin)
 #   SANITIZE_CTEST_DIR           default build/ctest
 #   COMPUTE_SANITIZER            the executable (default: compute-sanitizer on PATH, else /usr/local/cuda/bin)
 #   SANITIZE_PROBE               a built racecheck probe (default: build tools/racecheck_probe.cu with nvcc)
@@ -60,7 +71,7 @@ size_of() {  # $1 tool
   echo "${!var:-${SANITIZE_SIZE:-$def}}"
 }
 STRESS_CALLS=${SANITIZE_STRESS_CALLS:-100}
-STEP_TIMEOUT=${SANITIZE_STEP_TIMEOUT:-150}
+STEP_TIMEOUT=${SANITIZE_STEP_TIMEOUT:-240}
 BUDGET=${SANITIZE_BUDGET_S:-470}
 CTEST_DIR=${SANITIZE_CTEST_DIR:-build/ctest}
 START=$(date +%s)
@@ -78,20 +89,28 @@ has_opt() { grep -q -- "$1" <<<"$HELP"; }
 COMMON=(--target-processes all --error-exitcode 99)
 has_opt "--print-limit" && COMMON+=(--print-limit 200)
 has_opt "--require-cuda-init" && COMMON+=(--require-cuda-init no)
+# --kernel-name takes key=value filters (kne: exact mangled name, kns: substring of it, regex: found in it);
+# every library kernel is in namespace attnres::detail, so its mangled name holds "7attnres6detail".
 if [[ -n ${SANITIZE_KERNEL_FILTER:-} ]]; then
   KFILTER=$SANITIZE_KERNEL_FILTER
-elif has_opt "kernel_regex"; then
-  KFILTER="kernel_regex=.*(attn_res_per_token|attn_res_persistent|moe_finalize|all_reduce).*"  # a search or a full match
+elif has_opt "--kernel-name"; then
+  KFILTER="kns=7attnres6detail"
 else
   KFILTER=none
 fi
+NO_FILTER=0  # set around a step that must run unfiltered (the diagnostic rerun of the racy probe)
 tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the library's kernels)
   TOOL_OPTS=()
+  local f filters
   case $1 in
     memcheck) has_opt "--padding" && TOOL_OPTS=(--padding 32) ;;
     # initcheck: no options. `--track-unused-memory no` made compute-sanitizer 2025.3 take "no" for the target
     # program (every initcheck step failed at once, 2026-11-30): unused-memory tracking is off by default.
-    racecheck | synccheck) [[ $KFILTER != none ]] && TOOL_OPTS=(--kernel-name "$KFILTER") ;;
+    racecheck | synccheck)
+      if [[ $KFILTER != none && $NO_FILTER == 0 ]]; then
+        read -ra filters <<<"$KFILTER"  # split on spaces, never globbed (a regex holds * and ?)
+        for f in "${filters[@]}"; do TOOL_OPTS+=(--kernel-name "$f"); done
+      fi ;;
   esac
   return 0
 }
@@ -118,21 +137,27 @@ k_main() {  # $1 size
   # and the decline path always, the oracle grid's T = 33 and T = 300 cases from medium up.
   local persistent="subnormal_sums or add2_is_declined"
   [[ $1 != small ]] && persistent="$persistent or (against_the_oracle and (T33 or T300))"
-  # The one-shot all-reduce (an in-process world of ranks on one GPU) and the FP8 epilogue, every size.
-  local allreduce="(test_all_reduce and cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce_contract))"
+  # The one-shot all-reduce, every size: the in-process world of ranks on one GPU (each rank's kernel on its own
+  # stream) — the contract at W = 2, 4, 8, the fused sites, the fused MoE finalize and its CUDA-only rejections, a
+  # PDL chain with the plain ops — and the fault injection (a rank that never arrives, in a child process of
+  # its own, which --target-processes all instruments too). Graph replay and the W processes exchanging IPC
+  # handles are in the graph subsets (the caching allocator; the IPC world only at size large: W processes
+  # under a sanitizer, time-sliced on one GPU, each spin wait progressing only at a context switch).
+  local allreduce="(test_all_reduce and ((cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce)) or pdl_chain_with_plain_ops or rank_that_never_arrives))"
   local fp8="(test_fp8 and ((matches_quantized_bf16_output and cuda) or split_k_groups_across_blocks or persistent_every_vector_bucket))"
   echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)) or (test_persistent and ($persistent)) or $allreduce or $fp8)"
 }
 k_graph() {
   case $1 in
     small) echo "(test_cuda_graphs_pdl and (1-5-7168 or newest_bank_row and 1-7168)) or (test_moe_finalize and graph) or (test_pdl_release and (split_k-per_token or persistent-finalize+per_token))" ;;
-    large) echo "test_cuda_graphs_pdl or (test_moe_finalize and graph) or (test_stress and cuda)" ;;
-    *) echo "(test_cuda_graphs_pdl and (1-5-7168 or 8-3-2304 or newest_bank_row or first_call_inside or callers_stream)) or (test_moe_finalize and graph) or (test_stress and calls_on_cuda_streams)" ;;
+    large) echo "test_cuda_graphs_pdl or (test_moe_finalize and graph) or (test_stress and cuda) or (test_all_reduce and (graph_replay or processes_on_one_gpu))" ;;
+    *) echo "(test_cuda_graphs_pdl and (1-5-7168 or 8-3-2304 or newest_bank_row or first_call_inside or callers_stream)) or (test_moe_finalize and graph) or (test_stress and calls_on_cuda_streams) or (test_all_reduce and graph_replay)" ;;
   esac
 }
 MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py tests/test_persistent.py
   tests/test_all_reduce.py tests/test_fp8.py)
-GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py tests/test_pdl_release.py)
+GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py tests/test_pdl_release.py
+  tests/test_all_reduce.py)
 GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
 # racecheck, synccheck and initcheck run a focused gtest set (every kernel family and mode: decode add, token-major
 # add2, the small padded case with its one-block cluster, PDL/graph determinism, the persistent ring): the full
@@ -246,8 +271,60 @@ gtest_bin() {  # $1 binary name -> path, building it if the ctest tree exists bu
   [[ -x $bin ]] && echo "$bin"
 }
 
+# The kernel entries of the built library (cuobjdump -symbols over the gtest binaries and the extension), and
+# which of them each filter of KFILTER matches, by compute-sanitizer's rules for the keys.
+filter_check() {  # -> ROWS entry; a filter that matches no entry is a failure
+  local cuobjdump=${SANITIZE_CUOBJDUMP:-$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)}
+  local bins=() b so verdict
+  for b in test_cuda_backend test_moe_finalize; do
+    [[ -f $CTEST_DIR/cpp/tests/$b ]] && bins+=("$CTEST_DIR/cpp/tests/$b")
+  done
+  so=$(python3 -c "import attnres._C as c; print(c.__file__)" 2>/dev/null) && [[ -f $so ]] && bins+=("$so")
+  if [[ ! -x $cuobjdump ]]; then
+    verdict=$'unchecked\tno cuobjdump'
+  else
+    verdict=$(for b in "${bins[@]}"; do "$cuobjdump" -symbols "$b" 2>/dev/null; done | python3 -c '
+import re, sys
+filters = sys.argv[1].split()
+# A kernel entry: "FUNC LOCAL DEFAULT ENTRY name" (cuobjdump 13.5) or "STT_FUNC STB_GLOBAL STO_ENTRY name".
+names = sorted({f[-1] for f in map(str.split, sys.stdin)
+                if f and f[0] in ("FUNC", "STT_FUNC") and {"ENTRY", "STO_ENTRY"} & set(f[1:-1])})
+def matches(f, name):
+    for part in f.split(","):
+        key, _, value = part.partition("=")
+        if key in ("kne", "kernel_name"):
+            ok = name == value
+        elif key in ("kns", "kernel_substring"):
+            ok = value in name
+        elif key == "regex":
+            ok = re.search(value, name) is not None
+        else:
+            raise KeyError(key)
+        if not ok:
+            return False
+    return True
+if not names:
+    print("unchecked	cuobjdump listed no kernel entry"); sys.exit()
+counts = []
+try:
+    for f in filters:
+        counts.append((f, sum(matches(f, n) for n in names)))
+except KeyError as e:
+    print(f"unchecked	key {e.args[0]!r} unknown here"); sys.exit()
+bad = [f for f, c in counts if c == 0]
+detail = ", ".join(f"{f}: {c} of {len(names)} entries" for f, c in counts)
+print(("MATCHES NO KERNEL: " + " ".join(bad)) if bad else "matches", detail, sep="	")
+' "$KFILTER")
+  fi
+  local status detail
+  IFS=$'\t' read -r status detail <<<"$verdict"
+  [[ $status == MATCHES* ]] && failures=1
+  ROWS+=("filter|static check|$status|-|-|$detail")
+}
+
 # ---------------------------------------------------------------------------------------- the runs
 echo "compute-sanitizer: $("$CS" --version 2>&1 | tail -1); kernel filter: $KFILTER"
+[[ $KFILTER != none && " $TOOLS " =~ \ (racecheck|synccheck)\  ]] && filter_check
 for tool in $TOOLS; do
   size=$(size_of "$tool")
   gfilter=$GTEST_ALL
@@ -255,20 +332,33 @@ for tool in $TOOLS; do
 
   # (d) racecheck only, first: does this racecheck order a bulk copy before the reads that wait for it? The probe
   # (tools/racecheck_probe.cu) runs the persistent kernel's ring protocol reduced to one block: "ordered" is
-  # correct code (a report there is the tool's), "racy" reads before the wait (racecheck must report it).
+  # correct code (a report there is the tool's), "racy" reads before the wait (racecheck must report it). Both
+  # run under the kernel filter of the other steps: the racy probe's report is also the proof that the filter
+  # selects a kernel of attnres::detail. When it is not reported, an unfiltered rerun tells the two causes apart.
   if [[ $tool == racecheck ]] && probe=${SANITIZE_PROBE:-$(build_probe)}; then
-    saved=$findings  # neither probe's report is a finding of the library's
+    saved=$findings  # no probe's report is a finding of the library's
     run_step racecheck probe_ordered "$probe" ordered
     [[ ${ROWS[-1]} == *"|FINDINGS|"* ]] && RING_TOOL_LIMIT=1
     label_last "|FINDINGS|" "|FINDINGS: on correct code (the tool)|" "|clean|" "|clean (bulk copies ordered)|"
     run_step racecheck probe_racy "$probe" racy
-    findings=$saved
     if [[ ${ROWS[-1]} == *"|FINDINGS|"* ]]; then
       label_last "|FINDINGS|" "|reported, as it must be|"
-    else
+    elif [[ $KFILTER == none ]]; then
       label_last "|clean|" "|NOT REPORTED: racecheck missed it|"
       failures=1
+    else
+      label_last "|clean|" "|NOT REPORTED under the filter|"
+      failures=1
+      NO_FILTER=1
+      run_step racecheck probe_racy_unfiltered "$probe" racy
+      NO_FILTER=0
+      if [[ ${ROWS[-1]} == *"|FINDINGS|"* ]]; then
+        label_last "|FINDINGS|" "|reported: the filter missed the probe kernel|"
+      else
+        label_last "|clean|" "|NOT REPORTED: racecheck missed it|"
+      fi
     fi
+    findings=$saved
   fi
 
   # (a) GoogleTest GPU suites
@@ -314,7 +404,7 @@ done
   [[ $commit == unknown ]] && commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
   echo "tools/sanitize.sh at $commit, $(date -u +%FT%TZ)"
   echo "compute-sanitizer: $("$CS" --version 2>&1 | tail -1)"
-  echo "options: ${COMMON[*]}; kernel filter (racecheck, synccheck): $KFILTER; memcheck, initcheck: every kernel"
+  echo "options: ${COMMON[*]}; kernel filter (racecheck, synccheck): $KFILTER (--kernel-name each); memcheck, initcheck: every kernel"
   echo "sizes: $(for t in $TOOLS; do printf '%s %s; ' "$t" "$(size_of "$t")"; done)stress calls under memcheck: $STRESS_CALLS; wall $(( $(date +%s) - START ))s"
   echo
   printf '%-10s %-24s %-28s %-7s %-6s %s\n' tool step status errors time "tests / kernels named in reports"

@@ -6,7 +6,7 @@
 //      with an out-of-range route contributes an all-NaN partial (so every rank's reduced row is NaN);
 //   2. the one-shot exchange of the partial (cuda/all_reduce_protocol.cuh: push, poll, fp32 sum in rank
 //      order, one rounding) -> the reduced latent x;
-//   3. moe_finalize's two-rounding RMSNorm of x with the same reduction order (per thread in element order,
+//   3. moe_finalize's two-rounding RMSNorm of x, the one of cuda/moe_norm.cuh (per thread in element order,
 //      warp butterfly, warps in index order): the same bits as moe_finalize(norm_weight=...) run on x.
 #include <cuda_runtime.h>
 
@@ -14,6 +14,7 @@
 #include "cuda/all_reduce_protocol.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch_utils.hpp"
+#include "cuda/moe_norm.cuh"
 
 namespace attnres::detail {
 
@@ -37,18 +38,11 @@ struct FusedParams {
   float hidden, eps, scale;
 };
 
-__device__ __forceinline__ float mul_rn(float a, float b) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-__device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-__device__ __forceinline__ uint32_t bf16_bits(float v) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(v)));
-}
-__device__ __forceinline__ uint32_t pack(float a, float b) { return bf16_bits(a) | (bf16_bits(b) << 16); }
-__device__ __forceinline__ uint32_t& word(uint4& v, int i) { return (&v.x)[i]; }
+using moe_norm::hi;
+using moe_norm::lo;
+using moe_norm::mul_rn;
+using moe_norm::pack;
+using moe_norm::word;
 
 template <typename Wt>
 __device__ __forceinline__ float load_weight(const void* w, int64_t i) {
@@ -160,39 +154,15 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_all_reduce(const Fus
   const bool block_ok = __syncthreads_and(ok) != 0;
 
   if (block_ok) {
-    // 3. The two-rounding RMSNorm (moe_finalize's order).
-    float ss = 0.0f;
-#pragma unroll
-    for (int u = 0; u < VPT; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float a = lo(word(x[u], i)), b = hi(word(x[u], i));
-        ss = fmaf(a, a, ss);
-        ss = fmaf(b, b, ss);
-      }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-    if ((tid & 31) == 0) s_partial[tid >> 5] = ss;
-    __syncthreads();
-    if (tid == 0) {
-      float total = 0.0f;
-      for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total = add_rn_keep_subnormals(total, s_partial[w]);
-      s_r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, p.hidden), p.eps)));
-    }
-    __syncthreads();
-    const float r = s_r;
+    // 3. The two-rounding RMSNorm, moe_finalize's own (cuda/moe_norm.cuh); block-uniform, as it must be.
+    const float r = moe_norm::inverse_rms<VPT>(x, s_partial, &s_r, p.hidden, p.eps);
 #pragma unroll
     for (int u = 0; u < VPT; ++u) {
       const int vec = tid + u * blockDim.x;
       if (vec >= p.vectors) continue;
       if (p.reduced) reinterpret_cast<uint4*>(p.reduced + t * p.reduced_stride)[vec] = x[u];
       uint4 out;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t xv = word(x[u], i), wv = word(nw[u], i);
-        const uint32_t normed = pack(mul_rn(lo(xv), r), mul_rn(hi(xv), r));
-        word(out, i) = pack(mul_rn(lo(normed), lo(wv)), mul_rn(hi(normed), hi(wv)));
-      }
+      moe_norm::apply(out, x[u], nw[u], r);
       reinterpret_cast<uint4*>(p.output + t * p.output_stride)[vec] = out;
     }
   }

@@ -5,7 +5,8 @@
 //     (index and weights, read by warp 0 into shared memory): one round trip;
 //  2. issues route_chunk routes' 16-byte row slices per thread before using any (k <= route_chunk: one more
 //     round trip), then accumulates them in j order;
-//  3. with a norm, reduces the sum of squares in a fixed order (warp butterfly, warps in index order).
+//  3. with a norm, the two-rounding RMSNorm of cuda/moe_norm.cuh (the sum of squares in a fixed order: warp
+//     butterfly, warps in index order), shared with moe_finalize_all_reduce.
 //
 // Numerics: every step of the combine and the shared add is an explicit mul.rn.f32 / add.rn.f32 (never
 // contracted into an FMA, never flushed even under fast-math), so `routed` and the shared sum equal the CPU
@@ -26,6 +27,7 @@
 #include "attnres/moe_finalize.hpp"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch_utils.hpp"
+#include "cuda/moe_norm.cuh"
 
 namespace attnres::detail {
 
@@ -56,22 +58,12 @@ __device__ __forceinline__ float add_rn(float a, float b) {
   return r;
 }
 
-__device__ __forceinline__ float mul_rn(float a, float b) {
-  float r;
-  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
-
-// bf16 pairs packed little-endian in a 32-bit word: element 2i in the low half.
-__device__ __forceinline__ float lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
-  return static_cast<uint32_t>(__bfloat16_as_ushort(__float2bfloat16_rn(x)));
-}
-__device__ __forceinline__ uint32_t pack(float a, float b) { return bf16_bits(a) | (bf16_bits(b) << 16); }
-
-__device__ __forceinline__ uint32_t& word(uint4& v, int i) { return (&v.x)[i]; }
+// bf16 pairs packed little-endian in 32-bit words, and the explicit product (cuda/moe_norm.cuh).
+using moe_norm::hi;
+using moe_norm::lo;
+using moe_norm::mul_rn;
+using moe_norm::pack;
+using moe_norm::word;
 
 template <typename W>
 __device__ __forceinline__ float load_weight(const void* weights, int64_t i);
@@ -186,37 +178,10 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
     }
 
   if (p.norm_weight) {
-    // Sum of squares of the rounded x: per thread in element order, warp butterfly (every lane ends with
-    // the same bits), then the warps' partials in index order by one thread.
-    float ss = 0.0f;
+    // The two-rounding RMSNorm of the rounded x (cuda/moe_norm.cuh: the order the fused all-reduce shares).
+    const float r = moe_norm::inverse_rms<VPT>(x, s_partial, &s_r, p.hidden, p.eps);
 #pragma unroll
-    for (int u = 0; u < VPT; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float a = lo(word(x[u], i)), b = hi(word(x[u], i));
-        ss = fmaf(a, a, ss);
-        ss = fmaf(b, b, ss);
-      }
-#pragma unroll
-    for (int m = 16; m > 0; m >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-    if ((tid & 31) == 0) s_partial[tid >> 5] = ss;
-    __syncthreads();
-    if (tid == 0) {
-      float total = 0.0f;
-      for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total = add_rn(total, s_partial[w]);
-      s_r = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, p.hidden), p.eps)));
-    }
-    __syncthreads();
-    const float r = s_r;
-    // ops.md step 7: normed = bf16(x * r), output = bf16(normed * w).
-#pragma unroll
-    for (int u = 0; u < VPT; ++u)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint32_t xv = word(x[u], i), wv = word(nw[u], i);
-        const uint32_t normed = pack(mul_rn(lo(xv), r), mul_rn(hi(xv), r));
-        word(x[u], i) = pack(mul_rn(lo(normed), lo(wv)), mul_rn(hi(normed), hi(wv)));
-      }
+    for (int u = 0; u < VPT; ++u) moe_norm::apply(x[u], x[u], nw[u], r);
   }
 
 #pragma unroll

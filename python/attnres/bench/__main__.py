@@ -67,7 +67,7 @@ def parser() -> argparse.ArgumentParser:
                    help="cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a "
                         "small config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing")
     c.add_argument("--tokens", default=None,
-                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8)")
+                   help="comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8, its MoE finalize 1,8,16,32)")
     c.add_argument("--hidden", type=int, default=None,
                    help="hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)")
     c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda; on cpu 26, tp: 10)")
@@ -247,15 +247,19 @@ def _tp(args, parser) -> int:
 def _allreduce(args) -> int:
     if args.tokens is None:
         tokens = allreduce.QUICK_TOKENS if args.quick else allreduce.TOKENS
+        moe_tokens = allreduce.QUICK_MOE_TOKENS if args.quick else allreduce.MOE_TOKENS
     else:
-        tokens = _chain_tokens(args)
+        tokens = moe_tokens = _chain_tokens(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("attnres.bench allreduce needs a CUDA GPU (or --device cpu, which measures nothing)", file=sys.stderr)
         return 2
     out = args.out or "bench_results.json"
     meta = results.metadata(args.commit, device=args.device)
-    records = allreduce.run(tokens=tokens, device=args.device, repeats=args.repeats, progress=_print_progress)
-    results.save(out, meta, records, {"note": allreduce.LOWER_BOUND if args.device == "cuda" else allreduce.CPU_NOTE})
+    records = allreduce.run(tokens=tokens, moe_tokens=moe_tokens, device=args.device, repeats=args.repeats,
+                            progress=_print_progress)
+    note = {"note": allreduce.LOWER_BOUND, "stalls": allreduce.STALL_NOTE} if args.device == "cuda" else \
+        {"note": allreduce.CPU_NOTE}
+    results.save(out, meta, records, note)
     print(f"\n{meta['gpu'] or 'CPU'} commit {meta['commit']}: {len(records)} records -> {out}")
     for line in allreduce.summary(records):
         print(line)

@@ -13,11 +13,13 @@ peers' buffers in the same GPU's memory. Per site and T, four variants, each cal
 * fused_one_kernel  (sites add / add2 only) all_reduce_attn_res_add_rmsnorm with design one_kernel.
 
 Shapes: Kimi K3's sites, H = 7168 with N = 9 candidates (8 bank rows), and its MoE latent, D = 3584 with k = 16
-routes, at T in {1, 4, 8, 32}. Every variant's calls of one point are captured in one CUDA graph: a call is
-every rank's stream forked from the capturing stream and joined back (InProcessWorld.run), repeated over
-rotating input sets (more bytes than twice the L2, bench/timing.py); the graphs of a point are replayed
-interleaved (time_interleaved) and the per-site time is replay time / calls. Before timing, each point checks
-that the fused op's outputs equal the unfused path's bit for bit on every rank (`bitwise_equal`).
+routes, at T in {1, 4, 8, 32} (the MoE finalize at T = 1..64: its token gate's A/B). Every variant's calls of
+one point are captured as one CUDA graph per rank (rank r's part of every call, on the rank's own stream),
+repeated over rotating input sets (more bytes than twice the L2, bench/timing.py); one replay of a variant
+launches every rank's graph on its stream, forked from and joined back into the timing stream
+(`replay_ranks`); the variants are replayed interleaved (time_interleaved) and the per-site time is replay
+time / calls. After timing, each point checks that the fused op's outputs of every set equal the unfused
+path's bit for bit on every rank (`bitwise_equal`). Nothing runs eagerly on CUDA (`capture_ranks` says why).
 
 A lower bound: the peers' partials are read from local HBM, not across NVLink, and the W = 2 ranks share one
 GPU's SMs; two GPUs pay the NVLink latency on top (the two-GPU measurement is a separate run). Both ranks'
@@ -39,14 +41,18 @@ import torch
 import attnres
 from attnres.all_reduce import all_reduce, all_reduce_attn_res_add_rmsnorm, moe_finalize_all_reduce
 from attnres.moe import moe_finalize
-from attnres.tp import InProcessWorld
+from attnres.tp import CommunicatorError, InProcessWorld
 
-from .timing import Timing, _quantile, capture, rotating_sets, time_interleaved
+from .timing import Timing, _quantile, rotating_sets, time_interleaved
 from .workloads import EPS, make_sets, step_bytes
 
 WORLD = 2
 TOKENS = (1, 4, 8, 32)
 QUICK_TOKENS = (1, 8)
+# The MoE finalize's points set its token gate (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS): fused vs unfused,
+# same run, around the crossover.
+MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+QUICK_MOE_TOKENS = (1, 8, 16, 32)
 SITE_H, SITE_N = 7168, 9
 MOE_D, MOE_K = 3584, 16
 CPU_SHAPE = {"H": 64, "N": 3, "D": 64, "k": 4}
@@ -58,6 +64,13 @@ TIMER_CPU = "cpu_eager_perf_counter"
 LOWER_BOUND = ("in-process W = 2 world on one GPU (each rank on its own stream, the peers' buffers in local "
                "memory instead of across NVLink): a lower bound of the two-GPU per-site time")
 CPU_NOTE = "CPU eager, wall clock: exercises the code, not a measurement"
+# Two ranks' kernels on one GPU are concurrent in practice, not by guarantee (CUDA promises no concurrency
+# between streams): on the H200 one exchange in ~60,000 of per-rank graph replays stalled until its bounded
+# wait expired (e56b621), cause unknown. Such a point is measured again on a fresh world, at most MAX_STALLS
+# times; its records say how often ("stalls"). Separate GPUs do not share this hazard.
+MAX_STALLS = 2
+STALL_NOTE = ("a point whose exchange stalled (one-GPU world: stream concurrency is not guaranteed) was measured "
+              "again on a fresh world; records count it in 'stalls'")
 
 
 @dataclass
@@ -86,9 +99,25 @@ def _moe_sets(T: int, k: int, D: int, count: int, seed: int, device: str) -> lis
     return sets
 
 
-def _site_calls(site: str, world: InProcessWorld, ranks: list) -> dict[str, Callable[[], object]]:
-    """The four variants of one call of site add / add2 over every rank; ranks[r] is rank r's StepSet (its
-    `shared` is the rank's partial)."""
+@dataclass
+class Variant:
+    """One variant of one call: fn(comm, inputs[r]) is rank r's part of it (its kernels on the current stream);
+    `gathered` is what the CPU backend reduces (every rank's partial), unused on CUDA."""
+    fn: Callable[[object, object], object]
+    inputs: list
+    gathered: list | None = None
+
+    def run_all(self, world: InProcessWorld) -> list:
+        """Every rank's part, the ranks concurrent (CUDA: each on its own stream)."""
+        return world.run(self.fn, self.inputs, gathered=self.gathered)
+
+    def rank_call(self, world: InProcessWorld, r: int) -> Callable[[], object]:
+        return lambda: self.fn(world.comms[r], self.inputs[r])
+
+
+def _site_calls(site: str, ranks: list) -> dict[str, Variant]:
+    """The four variants of one call of site add / add2; ranks[r] is rank r's StepSet (its `shared` is the
+    rank's partial)."""
     partials = [s.shared for s in ranks]
 
     def weights(s):
@@ -109,39 +138,66 @@ def _site_calls(site: str, world: InProcessWorld, ranks: list) -> dict[str, Call
         return (reduced, *plain(s, reduced))
 
     return {
-        "plain": lambda: world.run(lambda c, s: plain(s, s.shared), ranks, gathered=partials),
-        "all_reduce": lambda: world.run(lambda c, s: all_reduce(c, s.shared), ranks, gathered=partials),
-        "unfused": lambda: world.run(unfused, ranks, gathered=partials),
-        "fused": lambda: world.run(fused, ranks, gathered=partials),
-        "fused_one_kernel": lambda: world.run(lambda c, s: fused(c, s, "one_kernel"), ranks, gathered=partials),
+        "plain": Variant(lambda c, s: plain(s, s.shared), ranks, partials),
+        "all_reduce": Variant(lambda c, s: all_reduce(c, s.shared), ranks, partials),
+        "unfused": Variant(unfused, ranks, partials),
+        "fused": Variant(fused, ranks, partials),
+        "fused_one_kernel": Variant(lambda c, s: fused(c, s, "one_kernel"), ranks, partials),
     }
 
 
-def _moe_calls(world: InProcessWorld, ranks: list[MoeSet]) -> dict[str, Callable[[], object]]:
+def _moe_calls(world: InProcessWorld, ranks: list[MoeSet]) -> dict[str, Variant]:
     # The CPU backend reduces gathered partials (each rank's local combine); CUDA ignores `gathered`.
-    partials = [moe_finalize(s.rows, s.weights, s.index, eps=0.0, scale=MOE_SCALE) for s in ranks] \
-        if world.device.type == "cpu" else [None] * len(ranks)
+    cpu = world.device.type == "cpu"
+    gathered = [moe_finalize(s.rows, s.weights, s.index, eps=0.0, scale=MOE_SCALE) for s in ranks] if cpu else None
 
     def unfused(c, s):
         partial = moe_finalize(s.rows, s.weights, s.index, eps=0.0, scale=MOE_SCALE)
         reduced = all_reduce(c, partial)
         return reduced, moe_finalize(reduced, s.ones, s.arange, norm_weight=s.norm_weight, eps=EPS)
 
-    def standalone(c, s, p):
-        return all_reduce(c, p)
-
-    gathered = partials if world.device.type == "cpu" else None
-    # all_reduce alone needs a partial of the shape: the CPU partials, or (CUDA) the first D columns of the rows.
-    ar_inputs = partials if world.device.type == "cpu" else [s.rows[: s.index.shape[0]] for s in ranks]
+    # all_reduce alone needs a partial of the shape: the CPU partials, or (CUDA) the first T rows of the rows.
+    ar_inputs = gathered if cpu else [s.rows[: s.index.shape[0]] for s in ranks]
     return {
-        "plain": lambda: world.run(lambda c, s: moe_finalize(s.rows, s.weights, s.index, norm_weight=s.norm_weight,
-                                                             eps=EPS, scale=MOE_SCALE), ranks, gathered=gathered),
-        "all_reduce": lambda: world.run(lambda c, p: all_reduce(c, p), ar_inputs),
-        "unfused": lambda: world.run(unfused, ranks, gathered=gathered),
-        "fused": lambda: world.run(lambda c, s: moe_finalize_all_reduce(c, s.rows, s.weights, s.index,
-                                                                        s.norm_weight, eps=EPS, scale=MOE_SCALE),
-                                   ranks, gathered=gathered),
+        "plain": Variant(lambda c, s: moe_finalize(s.rows, s.weights, s.index, norm_weight=s.norm_weight, eps=EPS,
+                                                   scale=MOE_SCALE), ranks, gathered),
+        "all_reduce": Variant(lambda c, p: all_reduce(c, p), ar_inputs),
+        "unfused": Variant(unfused, ranks, gathered),
+        "fused": Variant(lambda c, s: moe_finalize_all_reduce(c, s.rows, s.weights, s.index, s.norm_weight, eps=EPS,
+                                                              scale=MOE_SCALE), ranks, gathered),
     }
+
+
+def capture_ranks(world: InProcessWorld, variants: list[Variant]) -> tuple[list[torch.cuda.CUDAGraph], list[list]]:
+    """One CUDA graph per rank holding that rank's part of every call, in order, captured on world.streams[r];
+    returns the graphs and, per rank, what each captured call returned (the tensors a replay overwrites).
+
+    Not one graph with every rank's stream as a branch: a graph executor need not run parallel branches
+    concurrently, and a rank spinning on its peers' partials then waits for a branch queued behind it. Nothing
+    runs eagerly here either: an eager call that makes the caching allocator grow (cudaMalloc) between one
+    rank's launch and its peer's serializes the two (an implicit synchronization), so the first rank's
+    exchange waits for a peer that cannot start — on the H200 such warm-up calls stalled until the bounded wait
+    expired. A replay allocates nothing."""
+    torch.cuda.synchronize(world.device)
+    graphs, outs = [], []
+    for r, stream in enumerate(world.streams):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs.append([v.rank_call(world, r)() for v in variants])
+        graphs.append(graph)
+    torch.cuda.synchronize(world.device)
+    return graphs, outs
+
+
+def replay_ranks(world: InProcessWorld, graphs: list[torch.cuda.CUDAGraph]) -> None:
+    """Every rank's graph on its own stream, forked from and joined back into the current stream."""
+    current = torch.cuda.current_stream(world.device)
+    for graph, stream in zip(graphs, world.streams):
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            graph.replay()
+    for stream in world.streams:
+        current.wait_stream(stream)
 
 
 def _bits(results) -> list[torch.Tensor]:
@@ -152,23 +208,19 @@ def _bits(results) -> list[torch.Tensor]:
     return out
 
 
-def _fused_equals_unfused(calls: dict[str, Callable[[], object]], device: str) -> bool:
-    """One eager call of each: every fused provider's outputs equal the unfused path's bitwise on every rank
-    (the fused returns (reduced, updated, output) per rank, as the unfused path here)."""
-    fused = [calls[name]() for name in ("fused", "fused_one_kernel") if name in calls]
-    unfused = calls["unfused"]()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    b = _bits(unfused)
-    return all(len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b)) for a in map(_bits, fused))
+def _same_bits(fused: list, unfused: list) -> bool:
+    """The fused op's outputs equal the unfused path's bitwise on every rank (the fused returns (reduced,
+    updated, output) per rank, as the unfused path here)."""
+    a, b = _bits(fused), _bits(unfused)
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def _time_cpu(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, Timing]:
+def _time_cpu(world: InProcessWorld, calls: dict[str, Variant], repeats: int) -> dict[str, Timing]:
     samples = {name: [] for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             t0 = time.perf_counter()
-            call()
+            call.run_all(world)
             samples[name].append((time.perf_counter() - t0) * 1e6)
     out = {}
     for name, values in samples.items():
@@ -190,18 +242,26 @@ def _point(site: str, T: int, world: InProcessWorld, shape: dict, repeats: int, 
         H, N = shape["H"], shape["N"]
         count = rotating_sets(W * (step_bytes(T, N, H) + T * H * 2)) if device == "cuda" else 1
         flat = make_sets(T, N, H, count * W, seed=100 * T + (site == "add2"), device=device)
-        call_sets = [_site_calls(site, world, flat[i * W:(i + 1) * W]) for i in range(count)]
+        call_sets = [_site_calls(site, flat[i * W:(i + 1) * W]) for i in range(count)]
         shape_keys = {"H": H, "N": N}
-    equal = _fused_equals_unfused(call_sets[0], device)
+    names = [n for n in PROVIDERS if n in call_sets[0]]  # fused_one_kernel: sites add / add2 only
+    fused_names = [n for n in ("fused", "fused_one_kernel") if n in names]
     if device == "cuda":
-        graphs = {name: (capture([calls[name] for calls in call_sets]), count) for name in PROVIDERS
-                  if name in call_sets[0]}
-        timings = time_interleaved(graphs, repeats=repeats)
+        replays, outs = {}, {}
+        for name in names:
+            graphs, outs[name] = capture_ranks(world, [calls[name] for calls in call_sets])
+            replays[name] = (lambda g=graphs: replay_ranks(world, g), count)
+        timings = time_interleaved(replays, repeats=repeats)
         world.check()  # a timed-out exchange would have produced no outputs: its times mean nothing
+        # Every replay recomputes the same calls: the last one's outputs of every set, fused against unfused.
+        equal = all(_same_bits([outs[f][r][i] for r in range(W)], [outs["unfused"][r][i] for r in range(W)])
+                    for f in fused_names for i in range(count))
     else:
-        timings = _time_cpu(call_sets[0], repeats)
+        unfused = call_sets[0]["unfused"].run_all(world)
+        equal = all(_same_bits(call_sets[0][f].run_all(world), unfused) for f in fused_names)
+        timings = _time_cpu(world, call_sets[0], repeats)
     records = []
-    for name in (n for n in PROVIDERS if n in call_sets[0]):
+    for name in names:
         records.append({"suite": "allreduce", "site": site, "provider": name, "T": T, "W": W, **shape_keys,
                         "world": "in_process_one_gpu" if device == "cuda" else "in_process_cpu",
                         "device": device, "graph": device == "cuda", "sets": count,
@@ -210,8 +270,10 @@ def _point(site: str, T: int, world: InProcessWorld, shape: dict, repeats: int, 
     return records
 
 
-def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, sites=SITES) -> list[dict]:
-    """Records of every site x T x provider (docstring of this module)."""
+def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, sites=SITES,
+        moe_tokens=None) -> list[dict]:
+    """Records of every site x T x provider (docstring of this module); the moe_finalize site at moe_tokens
+    (default: tokens)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"allreduce: device must be 'cuda' or 'cpu', got {device!r}")
     if repeats < 1:
@@ -219,20 +281,32 @@ def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, s
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("allreduce: device 'cuda' needs a CUDA GPU")
     tokens = tuple(tokens)
-    if not tokens or min(tokens) < 1:
-        raise ValueError(f"allreduce: tokens must be integers >= 1, got {tokens}")
+    moe_tokens = tokens if moe_tokens is None else tuple(moe_tokens)
+    for name, values in (("tokens", tokens), ("moe_tokens", moe_tokens)):
+        if not values or min(values) < 1:
+            raise ValueError(f"allreduce: {name} must be integers >= 1, got {values}")
     shape = {"H": SITE_H, "N": SITE_N, "D": MOE_D, "k": MOE_K} if device == "cuda" else CPU_SHAPE
-    capacity = max(tokens)
-    worlds = {"site": InProcessWorld(WORLD, capacity, shape["H"], device=device),
-              "moe": InProcessWorld(WORLD, capacity, shape["D"], device=device)}
+    sizes = {"site": (max(tokens), shape["H"]), "moe": (max(moe_tokens), shape["D"])}
+    worlds = {key: InProcessWorld(WORLD, cap, width, device=device) for key, (cap, width) in sizes.items()}
     records = []
-    points = [(site, T) for site in sites for T in tokens]
+    points = [(site, T) for site in sites for T in (moe_tokens if site == "moe_finalize" else tokens)]
     try:
         for i, (site, T) in enumerate(points):
-            world = worlds["moe" if site == "moe_finalize" else "site"]
-            records += _point(site, T, world, shape, repeats, device)
+            key = "moe" if site == "moe_finalize" else "site"
+            for stalls in range(MAX_STALLS + 1):
+                try:
+                    point = _point(site, T, worlds[key], shape, repeats, device)
+                    break
+                except CommunicatorError:
+                    # A stalled exchange of the one-GPU world (see STALL_NOTE): the point is measured again
+                    # on a fresh world, and the stall is recorded.
+                    if stalls == MAX_STALLS:
+                        raise
+                    worlds[key].close()
+                    worlds[key] = InProcessWorld(WORLD, *sizes[key], device=device)
+            records += [{**r, "stalls": stalls} for r in point]
             if progress:
-                progress(i + 1, len(points), f"allreduce {site} T={T}")
+                progress(i + 1, len(points), f"allreduce {site} T={T}" + (f" ({stalls} stalled)" if stalls else ""))
     finally:
         for w in worlds.values():
             w.close()
@@ -260,5 +334,6 @@ def summary(records: list[dict]) -> list[str]:
         one = f"{m['fused_one_kernel']:>9.2f}" if "fused_one_kernel" in m else f"{'-':>9}"
         lines.append(f"{site:<13}{T:>3}{m['plain']:>9.2f}{m['all_reduce']:>9.2f}{m['unfused']:>9.2f}"
                      f"{m['fused']:>9.2f}{one}{m['fused'] - m['plain']:>+13.2f}{m['unfused'] - m['fused']:>+15.2f}  "
-                     f"{'equal' if p['fused']['bitwise_equal'] else 'DIFFERENT'}")
+                     f"{'equal' if p['fused']['bitwise_equal'] else 'DIFFERENT'}"
+                     + (f"  ({p['fused']['stalls']} stalled, measured again)" if p['fused'].get('stalls') else ""))
     return lines

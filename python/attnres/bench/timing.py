@@ -48,19 +48,22 @@ def _quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[idx]
 
 
-def time_interleaved(graphs: dict[str, tuple[torch.cuda.CUDAGraph, int]], repeats: int = 25,
+def time_interleaved(graphs: dict[str, tuple[torch.cuda.CUDAGraph | Callable[[], None], int]], repeats: int = 25,
                      warmup: int = 3) -> dict[str, Timing]:
-    """graphs: name -> (graph, calls per replay). Returns per-call timings, replays interleaved by name."""
+    """graphs: name -> (graph, calls per replay); instead of a graph, a callable that launches the replay on the
+    current stream (several graphs on their own streams, joined back). Returns per-call timings, replays
+    interleaved by name."""
+    replays = {name: (g.replay if isinstance(g, torch.cuda.CUDAGraph) else g) for name, (g, _) in graphs.items()}
     for _ in range(warmup):
-        for g, _ in graphs.values():
-            g.replay()
+        for replay in replays.values():
+            replay()
     torch.cuda.synchronize()
     samples: dict[str, list[float]] = {name: [] for name in graphs}
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(repeats):
-        for name, (g, calls) in graphs.items():
+        for name, (_, calls) in graphs.items():
             start.record()
-            g.replay()
+            replays[name]()
             stop.record()
             stop.synchronize()
             samples[name].append(start.elapsed_time(stop) * 1000.0 / calls)

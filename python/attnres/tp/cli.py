@@ -2,10 +2,15 @@
 
     python -m attnres.tp check [--tokens 1,8] [--nproc 2]              spawns the ranks itself
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m attnres.tp check  under torchrun
+    python -m attnres.tp check --one-gpu --nproc 4 --tokens 1 --steps 1 every rank a process on cuda:0
 
 `check` runs attnres.tp.checks on every rank (NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the
 CPU with a small config), prints PASS/FAIL per check (a check passes when it passed on every rank) and exits 1
-if any failed. The benchmark is `python -m attnres.bench tp`.
+if any failed. With --one-gpu the W ranks are W processes on cuda:0 joined by gloo (NCCL refuses two ranks on
+one device; gloo moves CUDA tensors through the host) and the one-shot ops map each other's buffers through CUDA
+IPC: the same checks with the real kernels on a one-GPU machine. The processes' kernels time-slice, so a
+one-shot op's spin wait progresses only at context switches: keep T small and the steps few. The benchmark is
+`python -m attnres.bench tp`.
 """
 # The rank entry points live here, not in __main__, so that spawned ranks can import them.
 
@@ -13,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from . import checks as C
-from .launch import init, launch, shutdown, under_torchrun
+from .launch import init, launch, resolve_one_gpu_device, shutdown, under_torchrun
 
 
 def _tokens(text: str) -> tuple[int, ...]:
@@ -55,7 +61,7 @@ def check_rank_variants(opts: dict, variants: list[dict]) -> list[list[C.Check]]
 
     if opts.get("threads"):
         torch.set_num_threads(opts["threads"])
-    ctx = init(opts["device"])
+    ctx = init(opts["device"], one_gpu=opts.get("one_gpu", False))
     try:
         results = []
         for variant in variants:
@@ -74,7 +80,8 @@ def check_rank_variants(opts: dict, variants: list[dict]) -> list[list[C.Check]]
 
 
 def _report(ctx, config, o: dict, merged: list[C.Check], seconds: float) -> None:
-    print(f"attnres.tp check: {ctx.world_size} ranks on {ctx.backend} ({ctx.device.type}), H={config.hidden_size}, "
+    where = "every rank on cuda:0" if ctx.one_gpu else ctx.device.type
+    print(f"attnres.tp check: {ctx.world_size} ranks on {ctx.backend} ({where}), H={config.hidden_size}, "
           f"{config.num_layers} layers, block {config.snapshot_block}, T={list(o['tokens'])}, {o['steps']} steps"
           + (f", mutation {o['mutation']}" if o["mutation"] != "none" else ""))
     for c in merged:
@@ -89,7 +96,7 @@ def _report(ctx, config, o: dict, merged: list[C.Check], seconds: float) -> None
 def default_opts(**overrides) -> dict:
     """The options of `check` as the command line's defaults (for callers such as the tests)."""
     opts = dict(tokens=(1, 8), steps=2, device="auto", hidden=None, layers=None, block=None, seed=0, finalize=True,
-                mutation="none", json=None, verbose=False, threads=None)
+                mutation="none", json=None, verbose=False, threads=None, one_gpu=False)
     unknown = set(overrides) - set(opts)
     if unknown:
         raise ValueError(f"default_opts: unknown options {sorted(unknown)}")
@@ -108,6 +115,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="auto (default): NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the CPU")
     c.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    c.add_argument("--one-gpu", action="store_true",
+                   help="every rank a process on cuda:0, joined by gloo; the one-shot ops through CUDA IPC "
+                        "(needs --device cuda or auto and a Hopper GPU)")
     c.add_argument("--hidden", type=int, default=None, help="hidden size (default 7168 on cuda, 256 on cpu)")
     c.add_argument("--layers", type=int, default=None, help="decoder layers (default 93 on cuda, 14 on cpu)")
     c.add_argument("--block", type=int, default=None, help="snapshot block (default 12 on cuda, 4 on cpu)")
@@ -124,15 +134,26 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error("--steps must be >= 1")
-    opts = default_opts(tokens=args.tokens, steps=args.steps, device=args.device, hidden=args.hidden,
+    device = args.device
+    if args.one_gpu:
+        # Refused here, before any rank is spawned: a rank that fails in init would leave the others waiting.
+        try:
+            device = resolve_one_gpu_device(args.device)
+        except (ValueError, RuntimeError) as e:
+            p.error(f"--one-gpu: {e}")
+    opts = default_opts(tokens=args.tokens, steps=args.steps, device=device, hidden=args.hidden,
                         layers=args.layers, block=args.block, seed=args.seed, finalize=not args.no_finalize,
-                        mutation=args.mutation, json=args.json, verbose=True)
+                        mutation=args.mutation, json=args.json, verbose=True, one_gpu=args.one_gpu)
     if under_torchrun():
         merged = check_rank(opts)
     else:
         if args.nproc < 1:
             p.error("--nproc must be >= 1")
-        opts["threads"] = 1 if args.device != "cuda" else None
+        if args.one_gpu:
+            # W processes share the host's cores for gloo's host staging and the checks' float64 audits.
+            opts["threads"] = max(1, (os.cpu_count() or 1) // args.nproc)
+        else:
+            opts["threads"] = 1 if device != "cuda" else None
         merged = launch(check_rank, args.nproc, opts)[0]
     return 0 if all(c.passed for c in merged) else 1
 

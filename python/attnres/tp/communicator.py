@@ -213,10 +213,34 @@ class Communicator:
                 f"width={self.width}, device={self.device}, {status})")
 
 
+# What InProcessWorld caches on each rank's stream at creation (see _reserve_cached_memory).
+RESERVE_SMALL_BLOCKS = 32  # of 1 MiB: the caching allocator's small pool (requests <= 1 MiB, 2 MiB segments)
+RESERVE_LARGE_BYTES = 256 << 20
+
+
+def _reserve_cached_memory(stream, device) -> None:
+    """Allocates and frees memory on `stream`, so PyTorch's caching allocator keeps it for that stream's later
+    requests. Why: a cudaMalloc issued between one rank's launch and its peer's is an implicit synchronization —
+    the peer's kernel then cannot start before the first rank's ends, while the first rank's exchange spins on
+    the peer's partial until the bounded wait expires (seen on the H200 in eager warm-up calls that grew the
+    allocator). A warm cache makes an eager call allocate without cudaMalloc; timing runs capture one graph per
+    rank instead (bench/allreduce.py), whose replays allocate nothing."""
+    with torch.cuda.stream(stream):
+        held = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(RESERVE_SMALL_BLOCKS)]
+        held.append(torch.empty(RESERVE_LARGE_BYTES, dtype=torch.uint8, device=device))
+    del held
+
+
 class InProcessWorld:
     """W ranks in one process. CUDA: W regions on one device, rank r's kernels on streams[r]; the kernels must
     all be resident at once (they are at decode sizes), which is the single-GPU timing set-up. CPU: the world
-    reduces the ranks' partials together (`all_reduce`, the fused ops through `run`)."""
+    reduces the ranks' partials together (`all_reduce`, the fused ops through `run`).
+
+    CUDA caveat: the ranks' exchanges progress only while every rank's kernel can run, so nothing between one
+    rank's launch and the next rank's may synchronize the device implicitly (a cudaMalloc, a blocking copy, a
+    synchronize): each stream gets a warm allocator cache at creation (_reserve_cached_memory), and a long run
+    should capture one CUDA graph per rank and replay them on the ranks' streams (bench/allreduce.py
+    capture_ranks / replay_ranks)."""
 
     def __init__(self, world_size: int, capacity: int, width: int, *, device="cpu",
                  timeout_s: float = DEFAULT_TIMEOUT_S):
@@ -236,6 +260,8 @@ class InProcessWorld:
             for r in range(world_size)]
         self.streams = [torch.cuda.Stream(device) for _ in range(world_size)] if device.type == "cuda" else []
         if device.type == "cuda":
+            for stream in self.streams:
+                _reserve_cached_memory(stream, device)
             torch.cuda.synchronize(device)
 
     def _gather_fn(self, rank: int):

@@ -1,11 +1,17 @@
-"""Starting a tensor-parallel group: the environment NCCL must see, process-group setup on NCCL (CUDA) or gloo
-(CPU), and a spawner for running without torchrun.
+"""Starting a tensor-parallel group: the environment NCCL must see, process-group setup on NCCL (CUDA), gloo
+(CPU), or gloo with every rank on cuda:0 (`one_gpu`), and a spawner for running without torchrun.
 
 Two ways in, the same code after:
 
 * under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT set): `init()` joins the group;
 * `launch(fn, nprocs, ...)`: spawns nprocs processes on this host (torch.multiprocessing), each with the
   torchrun variables set, runs fn in each and returns the per-rank results.
+
+One GPU, W ranks (`init(..., one_gpu=True)`): NCCL refuses two ranks on one device, so the group is gloo (it
+all-reduces and all-gathers CUDA tensors through the host) and every rank's tensors live on cuda:0; the one-shot
+ops still run on the GPU, through attnres.tp.Communicator's CUDA IPC mapping of each process's buffers. The
+processes' kernels time-slice on the device, so a cross-process spin wait progresses only at a context switch:
+for correctness runs, not timing.
 
 NVLink multicast (NVLS) is forbidden on the project's GPU machines: `forbid_multicast()` sets
 NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 in the environment before any
@@ -77,6 +83,17 @@ def resolve_device(choice: str, world_size: int) -> str:
     return choice
 
 
+def resolve_one_gpu_device(choice: str) -> str:
+    """The device of a run with every rank on cuda:0: 'cuda' for 'cuda' or 'auto'; ValueError for any other
+    choice, RuntimeError when cuda:0 cannot take the ranks (no Hopper GPU, no CUDA backend)."""
+    if choice not in ("auto", "cuda"):
+        raise ValueError(f"one GPU for every rank: device must be 'cuda' or 'auto', got {choice!r}")
+    ok, why = cuda_ranks_available(1)
+    if not ok:
+        raise RuntimeError(f"attnres.tp: one GPU for every rank: {why}")
+    return "cuda"
+
+
 @dataclass(frozen=True)
 class RankContext:
     rank: int
@@ -84,6 +101,7 @@ class RankContext:
     local_rank: int
     device: torch.device
     backend: str  # "nccl" or "gloo"
+    one_gpu: bool = False  # every rank a process on cuda:0, joined by gloo
 
     def shards(self):
         """This rank's Shards: its own partial, joined by an all-reduce over the default group."""
@@ -104,19 +122,24 @@ class RankContext:
             torch.cuda.synchronize(self.device)
 
 
-def init(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankContext:
-    """Joins the group described by the torchrun variables: NCCL with one GPU per local rank ('cuda'), or gloo
-    ('cpu'). The communicator is warmed up (one all-reduce, checked) so that a CUDA-graph capture after this
-    only records kernels."""
+def init(device: str = "auto", *, one_gpu: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankContext:
+    """Joins the group described by the torchrun variables: NCCL with one GPU per local rank ('cuda'), gloo
+    ('cpu'), or, with `one_gpu`, gloo with every rank on cuda:0 ('cuda' or 'auto'). The group is warmed up (one
+    all-reduce, checked) so that a CUDA-graph capture after this only records kernels."""
     forbid_multicast()
     missing = [k for k in TORCHRUN_VARS if k not in os.environ]
     if missing:
         raise RuntimeError(f"attnres.tp.init: {', '.join(missing)} not set (run under torchrun or attnres.tp.launch)")
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    device = resolve_device(device, local_world)
+    device = resolve_one_gpu_device(device) if one_gpu else resolve_device(device, local_world)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if device == "cuda":
+    if one_gpu:
+        torch.cuda.set_device(0)
+        dev = torch.device("cuda", 0)
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+        backend = "gloo"
+    elif device == "cuda":
         torch.cuda.set_device(local)
         dev = torch.device("cuda", local)
         dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=dev)
@@ -129,7 +152,7 @@ def init(device: str = "auto", *, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankC
     dist.all_reduce(t)
     if float(t) != world * (world + 1) / 2:
         raise RuntimeError(f"attnres.tp.init: warm-up all-reduce gave {float(t)}, expected {world * (world + 1) / 2}")
-    return RankContext(rank, world, local, dev, backend)
+    return RankContext(rank, world, local, dev, backend, one_gpu)
 
 
 def shutdown() -> None:
