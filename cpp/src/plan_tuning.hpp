@@ -91,4 +91,16 @@ inline bool automatic_prefers_persistent(int64_t tokens, bool add) {
   return add && tokens >= kAutomaticPersistentMinTokens;
 }
 
+// The fused all-reduce site's automatic design (all_reduce_attn_res_add_rmsnorm): one kernel (the per-token
+// kernel exchanges the partial, design a) or two kernels joined by PDL (the one-shot all-reduce, then the plain
+// op, design b). Provisional: two kernels everywhere until both are measured on the H200
+// (python -m attnres.bench allreduce: providers fused and fused_one_kernel).
+inline bool automatic_prefers_one_kernel(int64_t tokens, int64_t candidates, int64_t hidden, int32_t world_size) {
+  (void)tokens;
+  (void)candidates;
+  (void)hidden;
+  (void)world_size;
+  return false;
+}
+
 }  // namespace attnres::tuning

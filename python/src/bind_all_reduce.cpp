@@ -52,11 +52,17 @@ void bind_all_reduce(nb::module_& m) {
           "stream", [](const AllReduceArgs& a) { return reinterpret_cast<uintptr_t>(a.stream); },
           [](AllReduceArgs& a, uintptr_t s) { a.stream = reinterpret_cast<void*>(s); });
 
+  nb::enum_<AllReduceDesign>(m, "AllReduceDesign")
+      .value("automatic", AllReduceDesign::automatic)
+      .value("one_kernel", AllReduceDesign::one_kernel)
+      .value("two_kernels", AllReduceDesign::two_kernels);
+
   nb::class_<AllReduceOptions>(m, "AllReduceOptions")
       .def(nb::init<>())
       .def_rw("pdl", &AllReduceOptions::pdl)
       .def_rw("early_trigger", &AllReduceOptions::early_trigger)
-      .def_rw("kernel", &AllReduceOptions::kernel);
+      .def_rw("kernel", &AllReduceOptions::kernel)
+      .def_rw("design", &AllReduceOptions::design);
 
   nb::class_<AllReducePlan>(m, "AllReducePlan")
       .def_ro("kernel", &AllReducePlan::kernel)
@@ -65,6 +71,8 @@ void bind_all_reduce(nb::module_& m) {
       .def_ro("blocks_per_token", &AllReducePlan::blocks_per_token)
       .def_ro("pdl", &AllReducePlan::pdl)
       .def_ro("early_trigger", &AllReducePlan::early_trigger)
+      .def_ro("design", &AllReducePlan::design)
+      .def_ro("one_kernel_decline", &AllReducePlan::one_kernel_decline)
       .def_prop_ro("accepted", &AllReducePlan::accepted);
 
   nb::enum_<AllReduceSite>(m, "AllReduceSite").value("add", AllReduceSite::add).value("add2", AllReduceSite::add2);
@@ -81,6 +89,9 @@ void bind_all_reduce(nb::module_& m) {
   m.def("moe_finalize_all_reduce_validate", &validate_moe_finalize_all_reduce, nb::arg("args"),
         nb::arg("require_output") = true, nb::arg("read_data") = true);
   m.def("all_reduce_plan_call", [](const AllReduceArgs& a, const AllReduceOptions& o) { return plan_all_reduce(a, o); });
+  m.def("all_reduce_attn_res_add_rmsnorm_plan_call",
+        [](const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn, const AllReduceOptions& o,
+           const Options& ao) { return plan_all_reduce_attn_res_add_rmsnorm(ar, site, attn, o, ao); });
   m.def("moe_finalize_all_reduce_plan_call",
         [](const MoeFinalizeAllReduceArgs& a, const AllReduceOptions& o) { return plan_moe_finalize_all_reduce(a, o); });
   // The GIL is released: the CPU backend computes, the CUDA backend only enqueues.

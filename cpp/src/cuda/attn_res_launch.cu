@@ -57,8 +57,9 @@ KernelFn by_fp8(Fp8Scales fp8, Mode mode, int max_candidates) {
   return nullptr;
 }
 
+}  // namespace
 
-PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
+PerTokenParams make_per_token_params(const AttnResArgs& a, const Plan& plan) {
   PerTokenParams p{};
   const int64_t H = a.layer_residual.shape[1];
   p.layer_residual = tensor_ptr<const __nv_bfloat16>(a.layer_residual);
@@ -108,6 +109,8 @@ PerTokenParams make_params(const AttnResArgs& a, const Plan& plan) {
   return p;
 }
 
+namespace {
+
 Mode mode_of(AttnResOp op, const AttnResArgs& a) {
   if (op == AttnResOp::attn_res) return Mode::mix;
   if (!a.layer_residual_add.present()) return Mode::norm;
@@ -124,7 +127,7 @@ void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   if (kernel == nullptr)
     throw UnsupportedError(std::string(op_name(op)) + ": no kernel instance for the plan (kernel " +
                            kernel_name(plan.kernel) + ", N bucket " + std::to_string(plan.max_candidates) + ")");
-  const PerTokenParams params = make_params(a, plan);
+  const PerTokenParams params = make_per_token_params(a, plan);
   DeviceGuard guard(a.layer_residual.device.index);
 
   cudaLaunchAttribute attrs[2];

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "attnres/attn_res.hpp"
+
 namespace attnres::detail {
 
 // What the kernel computes; a compile-time variant, so each instance carries only its own work.
@@ -49,5 +51,9 @@ struct PerTokenParams {
   int64_t fp8_scales_stride[2];
   int32_t fp8_pow2;  // 1: power-of-two scales
 };
+
+// The parameters of a validated per-token call under `plan` (cuda/attn_res_launch.cu); the one-kernel fused
+// all-reduce site (cuda/all_reduce_attn_res_kernel.cu) extends them.
+PerTokenParams make_per_token_params(const AttnResArgs& args, const Plan& plan);
 
 }  // namespace attnres::detail

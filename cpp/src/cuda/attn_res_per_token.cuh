@@ -37,8 +37,10 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attnres/limits.hpp"
+#include "cuda/all_reduce_protocol.cuh"
 #include "cuda/attn_res_params.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/fp8_epilogue.cuh"
@@ -53,6 +55,17 @@ constexpr int kSplitKMaxThreads = static_cast<int>(attnres::kSplitKMaxThreads);
 // A one-block launch gives each of split_k's rank chunks (<= 128 vectors: plan_tuning.hpp) this many threads.
 constexpr int kChunkThreads = static_cast<int>(tuning::kSplitKBlockVectors);
 constexpr int kChunkWarps = kChunkThreads / 32;
+
+// The EXCHANGE instances (the one-kernel fused all-reduce site, docs/ops/all_reduce.md): the plain parameters
+// plus the communicator, this rank's partial and the reduced sum's output.
+struct PerTokenExchangeParams : PerTokenParams {
+  Exchange x;
+  const __nv_bfloat16* partial;  // [T, H]: this rank's partial (written by the kernel before this one)
+  __nv_bfloat16* reduced;        // [T, H]: the all-reduced sum, the site's addend
+  int64_t partial_stride, reduced_stride;
+};
+template <bool EXCHANGE>
+using PerTokenParamsOf = std::conditional_t<EXCHANGE, PerTokenExchangeParams, PerTokenParams>;
 
 // sum_{i < count} base[i * stride] in index order (warps of a block, or ranks of a cluster); the loads are
 // issued together (unrolled to MAX, clamped index, masked add: adding +0 to a sum that started at +0 changes
@@ -180,14 +193,28 @@ constexpr int kMaxThreadsOf = CLUSTER || NMAX > 4 ? kSplitKMaxThreads : kSingleC
 
 // FP8: the e4m3 epilogue after the trailing norm (norm modes only), a compile-time variant so the bf16-only
 // instances carry none of it.
-template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none>
-__global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
-    attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
+// EXCHANGE: the one-kernel fused all-reduce site (modes add and add2, no FP8). After the grid-dependency wait
+// the site's addend (add: p.add; add2: p.add2) is not loaded: each thread exchanges its vector of this rank's
+// partial through the communicator (cuda/all_reduce_protocol.cuh: push to every rank's slot g % 3, poll every
+// source in rank order, fp32 sum, one rounding: all_reduce's bits) and uses the reduced vector instead; from
+// there on the instructions are the plain op's, so the bits are design (b)'s. Failure rule: a block whose
+// exchange failed (a peer timed out or was called with another T, or the communicator was already broken)
+// still runs all its arithmetic and cluster exchanges (its peers wait on its pushes), but the cluster's "ok"
+// (every thread of every block of the token's cluster exchanged) gates every global store: reduced, updated,
+// snapshot, mixture and output. Each block then clears the previous slot's rows of its vectors and counts
+// itself (end_call over the whole grid); a block that found the communicator broken touches no slot.
+// The EXCHANGE instances are built for split_k's blocks of <= 256 threads only: at single_cta's 1024 the
+// exchange's registers spilled loaded values before the last post-wait load (tools/sass_check.py), so the plan
+// refuses the one-kernel design for single_cta blocks above 256 threads.
+template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none, bool EXCHANGE = false>
+__global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>)
+    attn_res_per_token_kernel(const __grid_constant__ PerTokenParamsOf<EXCHANGE> p) {
   namespace cg = cooperative_groups;
   constexpr bool kNorm = MODE != Mode::mix;
   constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
-  constexpr int kMaxWarps = kMaxThreadsOf<NMAX, CLUSTER> / 32;
+  constexpr int kMaxWarps = (EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>) / 32;
   constexpr int kRanks = CLUSTER ? kMaxClusterRanks : 1;
+  static_assert(!EXCHANGE || (kAdd && FP8 == Fp8Mode::none), "the fused all-reduce site: modes add/add2, bf16");
 
   __shared__ float warp_part[kMaxWarps][2 * NMAX];  // per warp: (sumsq, dot) per candidate
   __shared__ float totals[2 * NMAX];                // the token's sums
@@ -196,6 +223,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   __shared__ float recv_part[kRanks][2 * NMAX];     // split_k: every block's (sumsq, dot), by rank
   __shared__ float recv_sq[kRanks];                 // split_k: every block's mixture sum of squares
   __shared__ alignas(8) uint64_t bars[2];           // split_k: completion of the two exchanges
+  __shared__ float recv_ok[EXCHANGE ? kRanks : 1];  // EXCHANGE split_k: every block's "exchanged", by rank
   constexpr bool kFp8 = FP8 != Fp8Mode::none;
   static_assert(!kFp8 || MODE != Mode::mix, "attn_res has no normed output to quantize");
   // FP8: per-warp amax (per_token), per-thread amax (block128 groups that do not align with warps), what the
@@ -258,11 +286,39 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   // before every load is out; tools/sass_check.py checks every instance's SASS.
   uint4 prefix = load16_if(prefix_row, valid);
   uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
-  if constexpr (kAdd) {
+  if constexpr (kAdd && !EXCHANGE) {
     add = load16_if(p.add + token * p.add_stride + col, valid);
     add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
   }
+  if constexpr (EXCHANGE && MODE == Mode::add2) add = load16_if(p.add + token * p.add_stride + col, valid);
   const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
+  // EXCHANGE: `stores` gates every global store (the failure rule above); a constant true otherwise.
+  bool stores = true;
+  [[maybe_unused]] uint32_t generation = 0;
+  [[maybe_unused]] bool begun = false;
+  [[maybe_unused]] uint4 reduced = make_uint4(0, 0, 0, 0);
+  if constexpr (EXCHANGE) {
+    // The partial is issued with the other post-wait loads, which the barrier closes: ptxas neither sinks a
+    // load below it nor hoists the state's load above it, so every load is out before any loaded value is
+    // used (tools/sass_check.py reads the window up to this barrier). With the state loaded among them, ptxas
+    // put its load first and its test before the data loads: two round trips. Issued right after the
+    // barrier, the state's round trip overlaps the data loads'. Plain coherent loads: the previous call's
+    // kernel wrote the state before this grid's wait returned; an error word set meanwhile by another block
+    // only means this thread's exchange goes ahead (the failure is caught by the exchange's own checks).
+    const uint4 mine = load16_if(p.partial + token * p.partial_stride + col, valid);
+    __syncthreads();
+    const uint2 state = load8(p.x.state + kGeneration);
+    generation = state.x;
+    begun = state.y == 0u;  // per thread: a block whose threads disagree writes nothing (its "ok" is false)
+    stores = begun;
+    if (begun && valid) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      stores = exchange_sum_vector(p.x, generation % 3u, token, vec, mine, acc);
+      reduced = pack8(acc);
+    }
+    if constexpr (MODE == Mode::add) add = reduced;
+    else add2 = reduced;
+  }
   // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch.
 #pragma unroll
   for (int n = 0; n < NMAX; ++n)
@@ -282,8 +338,10 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
 #pragma unroll
     for (int e = 0; e < 8; ++e) pf[e] = add_rn_keep_subnormals(pf[e], s[e]);
     prefix = pack8(pf);
-    if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
-    if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+    if constexpr (!EXCHANGE) {
+      if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
+      if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+    }
   }
 
   // ---- per-candidate (sum of squares, dot with q) over this thread's 8 elements ----
@@ -321,7 +379,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     const int index = lane / kLanesPerValue;
     if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
   }
-  __syncthreads();
+  if constexpr (EXCHANGE) stores = __syncthreads_and(stores) != 0;  // the block's "ok"
+  else __syncthreads();
   if constexpr (CLUSTER) cluster_wait();  // every peer's mbarriers are initialised (pairs with the arrive)
   // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
   // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
@@ -330,16 +389,33 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   // every cluster instance (f1f44fe) the exchanges' SASS grew by 60-80 instructions and 3-5 branches.
   constexpr bool exchange = CLUSTER;
   if constexpr (exchange) {
-    if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
+    if constexpr (EXCHANGE) {
+      // The block's "ok" travels with its partial sums, on the same mbarrier.
+      if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * (2 * N + 1) * sizeof(float));
+      if (tid == 0) push_to_ranks(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, ranks);
+    } else {
+      if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
+    }
     if (tid < 2 * N)
       push_to_ranks(&recv_part[rank][tid], &bars[0], ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps),
                     ranks);
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
     if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
+    if constexpr (EXCHANGE) {
+      for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
+    }
   } else {
     if (tid < 2 * N) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
+  if constexpr (EXCHANGE) {
+    // The stores the plain op issues right after the addition, deferred until the cluster's "ok" is known.
+    if (valid && stores) {
+      if (p.reduced) store16(p.reduced + token * p.reduced_stride + col, reduced);
+      if (p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
+      if (p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+    }
+  }
   if constexpr (!kAdd) {
     // The snapshot write without an addend: the row is layer_residual itself. After the load window (the
     // post-wait loads stay together, tools/sass_check.py), before the mixture.
@@ -411,7 +487,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     if constexpr (MODE == Mode::mix) {
       store16(p.output + token * p.output_stride + col, mixed);
     } else {
-      if (p.mixture) store16(p.mixture + token * p.mixture_stride + col, mixed);
+      if (p.mixture && stores) store16(p.mixture + token * p.mixture_stride + col, mixed);
     }
   }
 
@@ -444,10 +520,17 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[e] = round_bf16(mix[e] * r) * w[e];
       out = pack8(o);
-      store16(p.output + token * p.output_stride + col, out);
+      if (stores) store16(p.output + token * p.output_stride + col, out);
     }
     if constexpr (kFp8) fp8_epilogue<FP8, CLUSTER, kMaxWarps>(p, out, valid, token, vec, rank, ranks, tid, lane, warp,
                                                               warps, fp8_warp_amax, fp8_thread_amax, fp8_recv, &fp8_bar);
+  }
+
+  if constexpr (EXCHANGE) {
+    // Steps 3-4 of the protocol, after the outputs (off the critical path): clear the previous call's rows of
+    // this thread's vector, then count the block unless every thread found the communicator broken.
+    if (begun && valid) clear_previous_any_world(p.x, generation, token, p.x.tokens, vec);
+    if (__syncthreads_or(begun)) end_call(p.x, generation);
   }
 
   // No cluster barrier before exit: every push into this block's shared memory completed before its
