@@ -279,9 +279,7 @@ def _allreduce(args) -> int:
     meta = results.metadata(args.commit, device=args.device)
     records = allreduce.run(tokens=tokens, moe_tokens=moe_tokens, device=args.device, repeats=args.repeats,
                             progress=_print_progress)
-    note = {"note": allreduce.LOWER_BOUND, "stalls": allreduce.STALL_NOTE} if args.device == "cuda" else \
-        {"note": allreduce.CPU_NOTE}
-    results.save(out, meta, records, note)
+    results.save(out, meta, records, {"note": allreduce.LOWER_BOUND if args.device == "cuda" else allreduce.CPU_NOTE})
     print(f"\n{meta['gpu'] or 'CPU'} commit {meta['commit']}: {len(records)} records -> {out}")
     for line in allreduce.summary(records):
         print(line)

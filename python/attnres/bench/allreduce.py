@@ -13,7 +13,8 @@ peers' buffers in the same GPU's memory. Per site and T, four variants, each cal
 * fused_one_kernel  (sites add / add2 only) all_reduce_attn_res_add_rmsnorm with design one_kernel.
 
 Shapes: Kimi K3's sites, H = 7168 with N = 9 candidates (8 bank rows), and its MoE latent, D = 3584 with k = 16
-routes, at T in {1, 4, 8, 32} (the MoE finalize at T = 1..64: its token gate's A/B). Every variant's calls of
+routes, at T in {1, 4, 8, 32} (the MoE finalize at T = 1..32: its token gate's A/B; MAX_TOKENS_ONE_GPU says
+why not more). Every variant's calls of
 one point are captured as one CUDA graph per rank (rank r's part of every call, on the rank's own stream),
 repeated over rotating input sets (more bytes than twice the L2, bench/timing.py); one replay of a variant
 launches every rank's graph on its stream, forked from and joined back into the timing stream
@@ -51,7 +52,7 @@ TOKENS = (1, 4, 8, 32)
 QUICK_TOKENS = (1, 8)
 # The MoE finalize's points set its token gate (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS): fused vs unfused,
 # same run, around the crossover.
-MOE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+MOE_TOKENS = (1, 2, 4, 8, 16, 32)
 QUICK_MOE_TOKENS = (1, 8, 16, 32)
 SITE_H, SITE_N = 7168, 9
 MOE_D, MOE_K = 3584, 16
@@ -64,13 +65,11 @@ TIMER_CPU = "cpu_eager_perf_counter"
 LOWER_BOUND = ("in-process W = 2 world on one GPU (each rank on its own stream, the peers' buffers in local "
                "memory instead of across NVLink): a lower bound of the two-GPU per-site time")
 CPU_NOTE = "CPU eager, wall clock: exercises the code, not a measurement"
-# Two ranks' kernels on one GPU are concurrent in practice, not by guarantee (CUDA promises no concurrency
-# between streams): on the H200 one exchange in ~60,000 of per-rank graph replays stalled until its bounded
-# wait expired (e56b621), cause unknown. Such a point is measured again on a fresh world, at most MAX_STALLS
-# times; its records say how often ("stalls"). Separate GPUs do not share this hazard.
-MAX_STALLS = 2
-STALL_NOTE = ("a point whose exchange stalled (one-GPU world: stream concurrency is not guaranteed) was measured "
-              "again on a fresh world; records count it in 'stalls'")
+# The in-process world needs every rank's exchanging blocks resident at once, and PDL lets each rank's next
+# kernel hold resident blocks while it waits: at T = 64 the MoE finalize's 2 ranks x 2 grids x 64 blocks of
+# 448 threads no longer fit the H200 beside each other, and its exchange stalled until the bounded wait expired.
+# Separate GPUs do not share the hazard (each rank's blocks fit its own GPU).
+MAX_TOKENS_ONE_GPU = 32
 
 
 @dataclass
@@ -286,6 +285,9 @@ def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, s
         if not values or min(values) < 1:
             raise ValueError(f"allreduce: {name} must be integers >= 1, got {values}")
     shape = {"H": SITE_H, "N": SITE_N, "D": MOE_D, "k": MOE_K} if device == "cuda" else CPU_SHAPE
+    if device == "cuda" and max(tokens + moe_tokens) > MAX_TOKENS_ONE_GPU:
+        raise ValueError(f"allreduce: T <= {MAX_TOKENS_ONE_GPU} on one GPU (every rank's blocks must be resident "
+                         f"at once), got {max(tokens + moe_tokens)}")
     sizes = {"site": (max(tokens), shape["H"]), "moe": (max(moe_tokens), shape["D"])}
     worlds = {key: InProcessWorld(WORLD, cap, width, device=device) for key, (cap, width) in sizes.items()}
     records = []
@@ -293,20 +295,12 @@ def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, s
     try:
         for i, (site, T) in enumerate(points):
             key = "moe" if site == "moe_finalize" else "site"
-            for stalls in range(MAX_STALLS + 1):
-                try:
-                    point = _point(site, T, worlds[key], shape, repeats, device)
-                    break
-                except CommunicatorError:
-                    # A stalled exchange of the one-GPU world (see STALL_NOTE): the point is measured again
-                    # on a fresh world, and the stall is recorded.
-                    if stalls == MAX_STALLS:
-                        raise
-                    worlds[key].close()
-                    worlds[key] = InProcessWorld(WORLD, *sizes[key], device=device)
-            records += [{**r, "stalls": stalls} for r in point]
+            try:
+                records += _point(site, T, worlds[key], shape, repeats, device)
+            except CommunicatorError as e:
+                raise CommunicatorError(f"allreduce {site} T={T}: the one-GPU world's exchange stalled ({e})") from e
             if progress:
-                progress(i + 1, len(points), f"allreduce {site} T={T}" + (f" ({stalls} stalled)" if stalls else ""))
+                progress(i + 1, len(points), f"allreduce {site} T={T}")
     finally:
         for w in worlds.values():
             w.close()
@@ -335,5 +329,5 @@ def summary(records: list[dict]) -> list[str]:
         lines.append(f"{site:<13}{T:>3}{m['plain']:>9.2f}{m['all_reduce']:>9.2f}{m['unfused']:>9.2f}"
                      f"{m['fused']:>9.2f}{one}{m['fused'] - m['plain']:>+13.2f}{m['unfused'] - m['fused']:>+15.2f}  "
                      f"{'equal' if p['fused']['bitwise_equal'] else 'DIFFERENT'}"
-                     + (f"  ({p['fused']['stalls']} stalled, measured again)" if p['fused'].get('stalls') else ""))
+)
     return lines

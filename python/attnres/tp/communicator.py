@@ -236,11 +236,14 @@ class InProcessWorld:
     all be resident at once (they are at decode sizes), which is the single-GPU timing set-up. CPU: the world
     reduces the ranks' partials together (`all_reduce`, the fused ops through `run`).
 
-    CUDA caveat: the ranks' exchanges progress only while every rank's kernel can run, so nothing between one
+    CUDA caveats: the ranks' exchanges progress only while every rank's kernel can run. (1) Nothing between one
     rank's launch and the next rank's may synchronize the device implicitly (a cudaMalloc, a blocking copy, a
     synchronize): each stream gets a warm allocator cache at creation (_reserve_cached_memory), and a long run
     should capture one CUDA graph per rank and replay them on the ranks' streams (bench/allreduce.py
-    capture_ranks / replay_ranks)."""
+    capture_ranks / replay_ranks). (2) Every rank's exchanging blocks must be resident at once, beside the
+    blocks each rank's next kernel holds while it waits under PDL: keep T small (the benchmark stays at
+    T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. Ranks on
+    separate GPUs share neither hazard."""
 
     def __init__(self, world_size: int, capacity: int, width: int, *, device="cpu",
                  timeout_s: float = DEFAULT_TIMEOUT_S):
