@@ -242,8 +242,11 @@ class InProcessWorld:
     should capture one CUDA graph per rank and replay them on the ranks' streams (bench/allreduce.py
     capture_ranks / replay_ranks). (2) Every rank's exchanging blocks must be resident at once, beside the
     blocks each rank's next kernel holds while it waits under PDL: keep T small (the benchmark stays at
-    T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. Ranks on
-    separate GPUs share neither hazard."""
+    T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. (3) Two
+    consecutive eager calls of the fused site at H = 7168 in one world stalled on the H200 (cause not found;
+    the same calls in per-rank graphs ran thousands of times, and W processes on one GPU run them eagerly
+    through the whole TP chain): tests make one eager call per world or use graphs. Ranks on separate GPUs
+    share none of these hazards."""
 
     def __init__(self, world_size: int, capacity: int, width: int, *, device="cpu",
                  timeout_s: float = DEFAULT_TIMEOUT_S):
