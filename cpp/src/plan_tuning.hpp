@@ -93,14 +93,16 @@ inline bool automatic_prefers_persistent(int64_t tokens, bool add) {
 
 // The fused all-reduce site's automatic design (all_reduce_attn_res_add_rmsnorm): one kernel (the per-token
 // kernel exchanges the partial, design a) or two kernels joined by PDL (the one-shot all-reduce, then the plain
-// op, design b). Provisional: two kernels everywhere until both are measured on the H200
-// (python -m attnres.bench allreduce: providers fused and fused_one_kernel).
+// op, design b). Measured on the H200 (bench_results/h200_f25619c_allreduce.json, python -m attnres.bench
+// allreduce: the in-process W = 2 world, H = 7168, N = 9): one kernel is 0.13-0.54 us faster at T = 1, 4, 8
+// for both sites and within noise at T = 32 (add +0.09, add2 -0.40 us), so it is the choice up to the largest
+// T measured; above it, unmeasured, two kernels. The plan declines one kernel where it has no instance.
+constexpr int64_t kAutomaticOneKernelMaxTokens = 32;
 inline bool automatic_prefers_one_kernel(int64_t tokens, int64_t candidates, int64_t hidden, int32_t world_size) {
-  (void)tokens;
   (void)candidates;
   (void)hidden;
   (void)world_size;
-  return false;
+  return tokens <= kAutomaticOneKernelMaxTokens;
 }
 
 }  // namespace attnres::tuning

@@ -11,6 +11,7 @@
 
 #include "attnres/all_reduce.hpp"
 #include "attnres/error.hpp"
+#include "plan_tuning.hpp"
 #include "test_util.hpp"
 
 namespace attnres_test {
@@ -48,11 +49,19 @@ TEST(AllReduceDesign, SplitKRunsEitherDesign) {
   const AllReducePlan two = choose(cuda_ar_plan(), split, AllReduceDesign::two_kernels);
   ASSERT_TRUE(two.accepted());
   EXPECT_EQ(two.design, AllReduceDesign::two_kernels);
-  // Provisional tuning (plan_tuning.hpp): automatic takes two kernels until the H200 measures both.
+  // The measured tuning (plan_tuning.hpp): automatic takes one kernel up to kAutomaticOneKernelMaxTokens.
   const AllReducePlan automatic = choose(cuda_ar_plan(), split, AllReduceDesign::automatic);
   ASSERT_TRUE(automatic.accepted());
-  EXPECT_EQ(automatic.design, AllReduceDesign::two_kernels);
+  EXPECT_EQ(automatic.design, AllReduceDesign::one_kernel);
   EXPECT_EQ(automatic.one_kernel_decline, "");
+  // Above the largest T measured: two kernels.
+  const int64_t above = attnres::tuning::kAutomaticOneKernelMaxTokens + 1;
+  EXPECT_EQ(choose_all_reduce_design(cuda_ar_plan(), split, Fp8Scales::none, AllReduceDesign::automatic, above - 1, 9,
+                                     7168, 2).design,
+            AllReduceDesign::one_kernel);
+  EXPECT_EQ(choose_all_reduce_design(cuda_ar_plan(), split, Fp8Scales::none, AllReduceDesign::automatic, above, 9,
+                                     7168, 2).design,
+            AllReduceDesign::two_kernels);
   // A one-block plan (split_k at H <= 1024, or a small single_cta block) has a one-kernel instance too.
   EXPECT_TRUE(choose(cuda_ar_plan(), attn_plan(KernelKind::single_cta, 128), AllReduceDesign::one_kernel).accepted());
 }

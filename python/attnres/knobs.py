@@ -103,8 +103,9 @@ KNOBS = (
     # (k = 16, D = 3584), so no token count inside the range prefers the unfused path (the seed's 2 was
     # measured on another GPU with an all-reduce inside the fused kernel).
     IntKnob("ATTNRES_MOE_FINALIZE_MAX_TOKENS", 16, 0, 16, "token gate of the fused MoE finalize; 0 disables it"),
-    # Provisional 16 (the fused finalize's own ceiling), not yet measured: the one-shot exchange pushes T rows to
-    # every peer, so its cost grows with T; the same-moment A/B against finalize + NCCL + norm sets it.
+    # Default 16 (the top of the range, the fused finalize's own ceiling), chosen by the same-run interleaved A/B of
+    # bench_results/h200_f25619c_allreduce.json (in-process W = 2 world on one H200, k = 16, D = 3584): the fused
+    # kernel was 2.8-3.5 us faster than finalize + one-shot all-reduce + norm at every T in 1..32.
     IntKnob("ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS", 16, 0, 16,
             "token gate of the fused MoE finalize + all-reduce + latent norm under TP; 0 disables it"),
     BoolKnob("ATTNRES_FUSED_ALL_REDUCE", True,
