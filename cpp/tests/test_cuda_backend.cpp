@@ -517,6 +517,31 @@ TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
   }
 }
 
+// The plan's automatic two-blocks geometry and the occupancy calculator agree: wherever the pure plan picks two
+// blocks per SM (persistent_layout.hpp two_blocks_fit), both are resident, so run() never has to replan it on
+// one block; and the attnres::plan of the call's own tensors (the one run() takes) keeps the two blocks.
+TEST(GpuPersistent, AutomaticTwoBlocksAreResident) {
+  REQUIRE_HOPPER();
+  int checked = 0;
+  for (int64_t H : {int64_t{8}, int64_t{1024}, int64_t{1536}, int64_t{2056}, int64_t{2304}, int64_t{4096},
+                    int64_t{7168}})
+    for (bool add : {true, false}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + " add=" + std::to_string(add));
+      Config cfg = make(P, 300, 8, H, [&](Config& c) { c.add = add; });
+      const Case before(cfg);
+      const attnres::Plan planned = plan_on_gpu(before, Options{});
+      ASSERT_EQ(planned.kernel, KernelKind::persistent) << planned.decline;
+      ASSERT_EQ(planned.blocks_per_sm, 2);
+      Stream stream;
+      DeviceMirror mirror(before);
+      const AttnResArgs a = mirror.args(stream.get());
+      EXPECT_GE(attnres::detail::cuda_attn_res_persistent_resident(a, planned), 2);
+      EXPECT_EQ(attnres::plan(P, a, Options{}).blocks_per_sm, 2);
+      ++checked;
+    }
+  EXPECT_EQ(checked, 14);
+}
+
 // A CUDA-graph replay of the call gives the eager bits, with and without PDL.
 TEST(GpuPersistent, GraphReplayEqualsEager) {
   REQUIRE_HOPPER();
