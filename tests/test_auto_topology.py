@@ -1,10 +1,12 @@
 """The automatic topology (the default Options): the kernel changes with T, the bits of a token do not.
 
-With `Options()` a one-addend call of T >= tuning::kAutomaticPersistentMinTokens tokens runs on the persistent
-kernel and smaller calls on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
-order, so a token's `updated`, `output` (and, where the op has it, the tap) must be the same bits whatever T
-the call has. Checked at T = 1 ... 16384 against the 16384-token call, with and without the addend, on tokens
-taken from the start, the middle and the end of the batch.
+With `Options()` a one-addend call of T >= tuning::kAutomaticPersistentMinTokens (4096) tokens runs on the
+persistent kernel where its plan takes two blocks per SM (H = 7168 does), smaller calls and calls without the
+addend on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's order, so a token's
+`updated` and `output` must be the same bits whatever T the call has. Checked at T = 1 ... 16384 (across the
+crossover: 4095, 4096, 4097) against the 16384-token call, with and without the addend, on tokens taken from the
+start, the middle and the end of the batch; the persistent calls are also checked against split_k forced on
+the same tokens.
 """
 
 from __future__ import annotations
@@ -40,17 +42,40 @@ def _call(b, lo: int, hi: int, add: bool):
     return [attnres.attn_res_rmsnorm(b["prefix"][lo:hi], b["bank"][:, lo:hi], *w)]
 
 
+CROSSOVER = 4096
+T_GRID = (1, 2, 31, 128, 1000, CROSSOVER - 1, CROSSOVER, CROSSOVER + 1, 8192, T_MAX - 1)
+
+
+def _kernel_at(op: str, T: int, add: bool) -> str:
+    return attnres.plan(op, tokens=T, candidates=N, hidden=H, device="cuda", add=add).kernel
+
+
 @pytest.mark.parametrize("add", [True, False], ids=["add", "noadd"])
 def test_default_options_give_a_token_the_same_bits_at_every_T(batch, add):
     op = "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
     big = attnres.plan(op, tokens=T_MAX, candidates=N, hidden=H, device="cuda", add=add)
     assert big.kernel == ("persistent" if add else "split_k"), big
+    if add:
+        assert big.blocks_per_sm == 2, big
     full = _call(batch, 0, T_MAX, add)
-    for T in (1, 2, 31, 128, 1000, 4096, T_MAX - 1):
-        small = attnres.plan(op, tokens=T, candidates=N, hidden=H, device="cuda", add=add)
-        assert small.kernel == "split_k", (T, small)
+    for T in T_GRID:
+        kernel = _kernel_at(op, T, add)
+        assert kernel == ("persistent" if add and T >= CROSSOVER else "split_k"), (T, kernel)
         for lo in (0, (T_MAX - T) // 2, T_MAX - T):
             got = _call(batch, lo, lo + T, add)
             for i, (g, f) in enumerate(zip(got, full)):
                 assert_same_bits(g, f[lo:lo + T], f"{op} output #{i}: tokens [{lo}, {lo + T}) in a call of {T} "
-                                                  f"({small.kernel}) vs of {T_MAX} ({big.kernel})")
+                                                  f"({kernel}) vs of {T_MAX} ({big.kernel})")
+
+
+def test_persistent_default_matches_forced_split_k_across_the_crossover(batch):
+    """The default's persistent calls (two blocks per SM) give split_k's bits on the same tokens."""
+    w = (batch["res_w"], batch["rms_w"], batch["norm_w"], 1e-5, 1e-5)
+    split_k = attnres.Options(kernel="split_k")
+    for T in (CROSSOVER, CROSSOVER + 1, T_MAX):
+        assert _kernel_at("attn_res_add_rmsnorm", T, True) == "persistent", T
+        args = (batch["prefix"][:T], batch["add"][:T], batch["bank"][:, :T], *w)
+        got = attnres.attn_res_add_rmsnorm(*args)
+        want = attnres.attn_res_add_rmsnorm(*args, options=split_k)
+        for i, (g, f) in enumerate(zip(got, want)):
+            assert_same_bits(g, f, f"attn_res_add_rmsnorm output #{i} at T = {T}: default (persistent) vs split_k")

@@ -22,18 +22,27 @@ def _plan(v, T=16384, N=9, H=7168, add=True):
 
 
 def test_variant_geometry_on_a_described_h200():
-    base = _plan(V("default"))
+    base = _plan(V("one_block", blocks_per_sm=1))
     assert (base.blocks_per_sm, base.slots, base.passes, base.blocks, base.threads) == (1, 16, 1, 132, 256)
     two = _plan(V("two_blocks", blocks_per_sm=2))
+    automatic = _plan(V("default"))
+    assert (automatic.blocks_per_sm, automatic.slots, automatic.passes, automatic.blocks) == (2, 7, 2, 264)
     assert (two.blocks_per_sm, two.slots, two.passes, two.blocks, two.threads) == (2, 7, 2, 264, 256)
     assert two.smem_bytes == 1280 + 7 * 14336 and two.vectors == base.vectors
     assert _plan(V("two_blocks", blocks_per_sm=2), N=2).passes == 1
+    # 11 slots do not fit half the SM: the automatic blocks per SM fall back to one instead of declining.
     assert (_plan(V("spare1", slots=11)).slots, _plan(V("spare1", slots=11)).passes) == (11, 1)
-    assert (_plan(V("two_pass", passes=2)).slots, _plan(V("two_pass", passes=2)).passes) == (16, 2)
-    # The public attnres.plan reports the blocks per SM of its own (default) persistent plans.
+    assert _plan(V("spare1", slots=11)).blocks_per_sm == 1
+    assert (_plan(V("two_pass", blocks_per_sm=1, passes=2)).slots,
+            _plan(V("two_pass", blocks_per_sm=1, passes=2)).passes) == (16, 2)
+    # The public attnres.plan reports the blocks per SM of its own (default) persistent plans: two at H = 7168,
+    # one where the two-blocks geometry has no instance (H = 8192: 288 threads; FP8).
     p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=4096, candidates=9, hidden=7168, add=True,
                      device="h200")
-    assert p.blocks_per_sm == 1 and p.slots == 16
+    assert p.blocks_per_sm == 2 and p.slots == 7
+    p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=4096, candidates=9, hidden=8192, add=True,
+                     device="h200")
+    assert p.blocks_per_sm == 1 and p.slots == 14
     declined = _plan(V("two_blocks", blocks_per_sm=2), H=8192)
     assert not declined.accepted and "needs <= 256 threads per block; H = 8192 takes 288" in declined.decline
 
@@ -86,7 +95,9 @@ def test_benchmark_variants_of_each_point():
         assert plans["spare1"].slots == N + 2 and plans["spare1"].passes == 1
         assert plans["half_ring"].slots == plans["two_blocks"].slots == 7
         assert plans["half_ring"].blocks_per_sm == 1 and plans["two_blocks"].blocks_per_sm == 2
-        assert plans["two_pass"].passes == 2 and plans["default"].slots == 16
+        assert plans["two_pass"].passes == 2 and plans["one_block"].slots == 16
+        assert all(plans[n].blocks_per_sm == 1 for n in ("one_block", "spare1", "two_pass", "half_ring"))
+        assert (plans["default"].blocks_per_sm, plans["default"].slots) == (2, 7)  # the plan's: two blocks
         assert len({p.threads for p in plans.values()}) == 1  # the bits' geometry never moves
     assert pv.points() == [(4096, 2, True), (16384, 2, True), (4096, 9, True), (16384, 9, True)]
 

@@ -4,10 +4,11 @@ split_k's bits (all CUDA-only, skipped elsewhere).
 Which thread owns an element and every reduction order depend on H alone, so no knob may change a bit of
 `updated` or `output`. Checked over a grid of T (1 token to several per block, several blocks per SM), N in
 1..16, H from one vector to 16384, with and without the addend, snapshot- and token-major banks, for every
-variant the plan accepts at that shape: the benchmark's five (default, spare1, two_pass, half_ring,
-two_blocks) and the extremes (the smallest ring of 2 slots, one pass with exactly one spare slot, two blocks
-per SM with 2 slots and two passes). Results are cloned and the call's own outputs poisoned with NaN before the
-next call, so a variant that leaves an output unwritten cannot inherit the previous call's bits."""
+variant the plan accepts at that shape: the benchmark's (default: two blocks per SM where that geometry
+exists; spare1, two_pass, half_ring on one block per SM; two_blocks) and the extremes (the smallest ring of
+2 slots, one pass with exactly one spare slot, two blocks per SM with 2 slots and two passes). Results are
+cloned and the call's own outputs poisoned with NaN before the next call, so a variant that leaves an output
+unwritten cannot inherit the previous call's bits."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ CANDIDATES = [1, 2, 3, 5, 9, 12, 16]
 
 def _variants(N: int, add: bool) -> list[V]:
     rows = N + (1 if add else 0)
-    return [V("default"), V("spare1", slots=rows + 1), V("two_pass", passes=2), V("half_ring", slots=7),
-            V("two_blocks", blocks_per_sm=2), V("ring2", slots=2), V("one_pass_tight", slots=rows + 1, passes=1),
+    return [V("default"), V("spare1", blocks_per_sm=1, slots=rows + 1), V("two_pass", blocks_per_sm=1, passes=2),
+            V("half_ring", blocks_per_sm=1, slots=7), V("two_blocks", blocks_per_sm=2),
+            V("ring2", blocks_per_sm=1, slots=2), V("one_pass_tight", blocks_per_sm=1, slots=rows + 1, passes=1),
             V("two_blocks_ring2", blocks_per_sm=2, slots=2, passes=2), V("explicit_one", blocks_per_sm=1)]
 
 

@@ -84,7 +84,8 @@ constexpr int64_t smem_bytes(int64_t slots, int64_t hidden) {
   return ring_offset(slots, hidden) + slots * slot_bytes(hidden);
 }
 
-// Blocks per SM: 1 (the plan's default) or 2 (a tuning knob, attnres::Options::persistent_blocks_per_sm).
+// Blocks per SM: 2 where that geometry exists (two_blocks_fit), 1 otherwise (the plan's automatic choice), or
+// either forced by attnres::Options::persistent_blocks_per_sm.
 // Two blocks share the SM's shared memory (sm_90: the 227 KB a block may opt into plus the 1 KB the
 // system reserves per block make the SM's 228 KB) and its register file: their instance is built for at most
 // kTwoBlocksMaxThreads threads (launch bounds of two blocks per SM: <= 128 registers per thread).
@@ -102,6 +103,17 @@ constexpr int32_t max_slots(int64_t budget, int64_t hidden) {
   for (int32_t s = kMaxSlots; s >= 1; --s)
     if (smem_bytes(s, hidden) <= budget) return s;
   return 0;
+}
+
+// Whether the two-blocks-per-SM geometry exists for a row of `hidden` elements on a device whose blocks may
+// opt into `optin` bytes: an instance (no FP8 epilogue, at most kTwoBlocksMaxThreads threads) and a ring of at
+// least tuning::kPersistentMinSlots slots in half the SM's shared memory. Its launch bounds (two blocks of
+// kTwoBlocksMaxThreads) cap the registers, and block_budget leaves each block its reserved kilobyte, so both
+// blocks are resident wherever this holds; the launcher still asks the occupancy calculator
+// (cuda/attn_res_persistent_launch.cu) and run() falls back to one block per SM for an automatic plan.
+constexpr bool two_blocks_fit(int64_t hidden, bool fp8, int64_t optin) {
+  return !fp8 && consumer_threads(hidden) + kProducerThreads <= kTwoBlocksMaxThreads &&
+         max_slots(block_budget(optin, 2), hidden) >= tuning::kPersistentMinSlots;
 }
 
 static_assert(consumer_threads(attnres::kMaxHidden) <= kMaxConsumerWarps * 32,

@@ -71,7 +71,23 @@ int32_t one_block_threads(int64_t hidden) {
 
 std::string persistent_decline(const PlanQuery& q);
 
-bool routes_to_persistent(const PlanQuery& q, const Options& o) {
+// The blocks per SM of the persistent plan for the call: the knob when set, else two wherever that geometry
+// exists (persistent::two_blocks_fit) and also honours the other knobs (a slot count that fits half the SM, one
+// pass when forced), else one. A function of H, FP8, the device and the knobs (and N only for a forced single
+// pass), never of T.
+int32_t persistent_blocks_per_sm(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+  if (o.persistent_blocks_per_sm > 0) return o.persistent_blocks_per_sm;
+  const int64_t optin = dev.shared_memory_per_block_optin;
+  if (!persistent::two_blocks_fit(q.hidden, q.fp8 != Fp8Scales::none, optin)) return 1;
+  const int32_t fit = persistent::max_slots(persistent::block_budget(optin, 2), q.hidden);
+  if (o.persistent_slots > fit) return 1;
+  const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
+  const int64_t rows = q.candidates + (q.add ? 1 : 0);
+  if (o.persistent_passes == 1 && slots < rows + tuning::kPersistentOnePassSpareSlots) return 1;
+  return 2;
+}
+
+bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (q.op == AttnResOp::attn_res_add_rmsnorm_persistent) return true;
   if (o.kernel == KernelKind::persistent) return true;  // forced: declined below for attn_res
   if (q.op == AttnResOp::attn_res) return false;  // only the per-token kernels emit the fp32 diagnostics
@@ -79,7 +95,8 @@ bool routes_to_persistent(const PlanQuery& q, const Options& o) {
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
   if (o.topology == Topology::automatic)
-    return tuning::automatic_prefers_persistent(q.tokens, q.add) && persistent_decline(q).empty();
+    return tuning::automatic_prefers_persistent(q.tokens, q.add, persistent_blocks_per_sm(q, dev, o) == 2) &&
+           persistent_decline(q).empty();
   return false;
 }
 
@@ -97,14 +114,13 @@ std::string persistent_decline(const PlanQuery& q) {
 
 // The persistent kernel's geometry (cuda/attn_res_persistent.cuh): consumer warps and the vector bucket from H
 // alone (they fix every reduction order), the ring as deep as the device's shared memory allows, one pass when
-// a token's rows fit the ring with room to stream the next token, two passes otherwise; one block per SM. The
-// tuning knobs (Options::persistent_*) change only the ring, the passes and the blocks per SM, never a bit.
+// a token's rows fit the ring with room to stream the next token, two passes otherwise; two blocks per SM where
+// that geometry exists, one otherwise (persistent_blocks_per_sm). The tuning knobs (Options::persistent_*) change only the ring, the passes and the blocks per SM, never a bit.
 Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t H = q.hidden;
   const int64_t rows = q.candidates + (q.add ? 1 : 0);  // rows streamed per token: K bank rows, prefix, addend
   const int32_t threads = persistent::consumer_threads(H) + persistent::kProducerThreads;
-  const int32_t per_sm = o.persistent_blocks_per_sm > 0 ? o.persistent_blocks_per_sm
-                                                        : static_cast<int32_t>(tuning::kPersistentBlocksPerSm);
+  const int32_t per_sm = persistent_blocks_per_sm(q, dev, o);
   if (per_sm > 1 && threads > persistent::kTwoBlocksMaxThreads)
     return declined("persistent_blocks_per_sm = " + std::to_string(per_sm) + " needs <= " +
                     std::to_string(persistent::kTwoBlocksMaxThreads) + " threads per block; H = " +
@@ -182,7 +198,7 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (q.fp8 == Fp8Scales::block128 && q.hidden % kFp8GroupSize != 0)
     return declined("fp8 = block128 needs H a multiple of 128, got H = " + std::to_string(q.hidden));
 
-  const bool persistent = routes_to_persistent(q, o);
+  const bool persistent = routes_to_persistent(q, dev, o);
   // The add2 decline is a property of the topology, on every backend, so the caller's materialize-first
   // path is the same (and testable) on the CPU.
   if (persistent) {

@@ -30,11 +30,13 @@ constexpr int32_t candidate_bucket(int64_t n) {
 }
 
 
-// The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). One block per SM: its ring
-// takes the block's whole shared-memory budget (227 KB on sm_90). Two blocks per SM with half the ring each
-// (Options::persistent_blocks_per_sm, a benchmark knob) are measured against it by
-// python -m attnres.bench persistent --variants (docs/performance.md, "A throughput model").
-constexpr int64_t kPersistentBlocksPerSm = 1;
+// The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). Automatic geometry: two blocks
+// per SM, each with a ring in half the SM's shared memory, wherever that geometry exists
+// (persistent::two_blocks_fit: no FP8, <= 256 threads, >= kPersistentMinSlots slots), one block with the whole
+// 227 KB otherwise. Measured on the H200 (bench_results/h200_dbab092_persistent_variants.json, H = 7168, add,
+// python -m attnres.bench persistent --variants): two blocks of 7 slots took 107.8 us at T = 4096, N = 2 and
+// 926.7 us at T = 16384, N = 9 (two passes), one block of 16 slots 164.6 and 1155.7 us: one block cannot
+// keep enough rows in flight while its consumers reduce and mix. Options::persistent_blocks_per_sm forces either.
 // One pass keeps a token's rows resident from scoring to mixing; it needs the ring to hold them plus at
 // least this many slots, so the next token's rows stream while this one is reduced and mixed (otherwise
 // nothing is in flight between a token's last row landing and its first row being released). At H = 7168
@@ -81,14 +83,18 @@ constexpr int32_t split_k_chunk(int64_t hidden) {
 }
 constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
-// The automatic topology's crossover: the persistent kernel from this many tokens up, with one addend (where it
-// supports the call). Measured on the H200 with every kernel releasing right after its PDL wait
-// (bench_results/h200_c99ff4f_persistent_quick.json, H = 7168, N = 9): with the addend the persistent kernel
-// was faster only at T = 16384 (1164 vs 1191 us; 85 vs 84 us at T = 1024, 10.6 vs 6.2 at T = 64); without
-// it the per-token kernel was faster at every T measured (980 vs 1089 us at T = 16384).
-constexpr int64_t kAutomaticPersistentMinTokens = 16384;
-inline bool automatic_prefers_persistent(int64_t tokens, bool add) {
-  return add && tokens >= kAutomaticPersistentMinTokens;
+// The automatic topology: the persistent kernel where it was measured faster than split_k — one addend (no
+// add2), T >= kAutomaticPersistentMinTokens, and only on the two-blocks-per-SM geometry (the persistent plan's
+// for the call: `two_blocks_per_sm`); the per-token kernels everywhere else. Measured on the H200
+// (bench_results/h200_dbab092_persistent_variants.json, H = 7168, add, us per call, CUDA-graph replay): two
+// blocks vs split_k 107.8 vs 111.2 at T = 4096, N = 2; 401.0 vs 430.7 at T = 16384, N = 2; 238.1 vs 259.6 at
+// T = 4096, N = 9; 926.7 vs 1022.7 at T = 16384, N = 9. One block per SM was slower than split_k at every
+// point (629.8 vs 430.7 at T = 16384, N = 2), and so was the persistent kernel without the addend
+// (bench_results/h200_c99ff4f_persistent_quick.json: 1089 vs 980 us at T = 16384, N = 9). Below T = 4096 the two-blocks
+// geometry was not measured; one block was not faster there (85 vs 84 us at T = 1024, N = 9).
+constexpr int64_t kAutomaticPersistentMinTokens = 4096;
+constexpr bool automatic_prefers_persistent(int64_t tokens, bool add, bool two_blocks_per_sm) {
+  return add && two_blocks_per_sm && tokens >= kAutomaticPersistentMinTokens;
 }
 
 // The fused all-reduce site's automatic design (all_reduce_attn_res_add_rmsnorm): one kernel (the per-token

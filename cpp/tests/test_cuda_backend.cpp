@@ -468,9 +468,13 @@ INSTANTIATE_TEST_SUITE_P(Persistent, GpuPersistentShapes, ::testing::ValuesIn(pe
 
 // The launcher run directly with other ring depths, pass modes and grids than the plan's: a token's bits do
 // not depend on any of them (the consumer count and vector bucket, which fix the arithmetic, stay the plan's).
+// On the automatic geometry (two blocks per SM at H = 7168 and 2056) and on one block per SM.
 TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
   REQUIRE_HOPPER();
+  for (int32_t per_sm : {0, 1})
   for (bool add : {true, false}) {
+    Options geometry;
+    geometry.persistent_blocks_per_sm = per_sm;
     for (int64_t H : {int64_t{7168}, int64_t{16384}, int64_t{2056}}) {
       // K = 3 at H = 16384 leaves a one-pass ring (6 slots) to compare with; K = 8 elsewhere.
       const int64_t K = H == 16384 ? 3 : 8;
@@ -481,8 +485,9 @@ TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
       });
       cfg.seed = test_seed(static_cast<uint64_t>(H) + add);
       const Case before(cfg);
-      const attnres::Plan planned = plan_on_gpu(before, Options{});
+      const attnres::Plan planned = plan_on_gpu(before, geometry);
       ASSERT_EQ(planned.kernel, KernelKind::persistent) << planned.decline;
+      EXPECT_EQ(planned.blocks_per_sm, per_sm == 1 || H == 16384 ? 1 : 2);
       const Case baseline = run_gpu(before, Options{});
       const int32_t rows = static_cast<int32_t>(cfg.K + 1 + (add ? 1 : 0));
       struct Variant {
@@ -494,7 +499,8 @@ TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
         variants.push_back({planned.slots, 1, 5});
       }
       for (const Variant& v : variants) {
-        SCOPED_TRACE("H=" + std::to_string(H) + " add=" + std::to_string(add) + " slots=" + std::to_string(v.slots) +
+        SCOPED_TRACE("per_sm=" + std::to_string(planned.blocks_per_sm) + " H=" + std::to_string(H) +
+                     " add=" + std::to_string(add) + " slots=" + std::to_string(v.slots) +
                      " passes=" + std::to_string(v.passes) + " blocks=" + std::to_string(v.blocks));
         attnres::Plan p = planned;
         p.slots = v.slots;
@@ -509,6 +515,31 @@ TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
       }
     }
   }
+}
+
+// The plan's automatic two-blocks geometry and the occupancy calculator agree: wherever the pure plan picks two
+// blocks per SM (persistent_layout.hpp two_blocks_fit), both are resident, so run() never has to replan it on
+// one block; and the attnres::plan of the call's own tensors (the one run() takes) keeps the two blocks.
+TEST(GpuPersistent, AutomaticTwoBlocksAreResident) {
+  REQUIRE_HOPPER();
+  int checked = 0;
+  for (int64_t H : {int64_t{8}, int64_t{1024}, int64_t{1536}, int64_t{2056}, int64_t{2304}, int64_t{4096},
+                    int64_t{7168}})
+    for (bool add : {true, false}) {
+      SCOPED_TRACE("H=" + std::to_string(H) + " add=" + std::to_string(add));
+      Config cfg = make(P, 300, 8, H, [&](Config& c) { c.add = add; });
+      const Case before(cfg);
+      const attnres::Plan planned = plan_on_gpu(before, Options{});
+      ASSERT_EQ(planned.kernel, KernelKind::persistent) << planned.decline;
+      ASSERT_EQ(planned.blocks_per_sm, 2);
+      Stream stream;
+      DeviceMirror mirror(before);
+      const AttnResArgs a = mirror.args(stream.get());
+      EXPECT_GE(attnres::detail::cuda_attn_res_persistent_resident(a, planned), 2);
+      EXPECT_EQ(attnres::plan(P, a, Options{}).blocks_per_sm, 2);
+      ++checked;
+    }
+  EXPECT_EQ(checked, 14);
 }
 
 // A CUDA-graph replay of the call gives the eager bits, with and without PDL.

@@ -1,6 +1,6 @@
 // The persistent kernel's plan: routing (topology, ceiling, forced kernel), the geometry it hands the launcher
 // (consumer warps and vector bucket from H alone, the ring from the device's shared memory, one or two passes,
-// one block per SM) and its declines. A pure function, so it runs on hand-built devices on any machine.
+// two blocks per SM where that geometry exists and one otherwise) and its declines. A pure function, so it runs on hand-built devices on any machine.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -16,6 +16,7 @@ namespace {
 namespace tuning = attnres::tuning;
 namespace layout = attnres::persistent;
 using attnres::DeviceInfo;
+using attnres::Fp8Scales;
 using attnres::KernelKind;
 using attnres::Options;
 using attnres::Plan;
@@ -53,6 +54,19 @@ Options persistent_topology(bool pdl = true) {
   return o;
 }
 
+Options one_block() {
+  Options o;
+  o.persistent_blocks_per_sm = 1;
+  return o;
+}
+
+// The automatic blocks per SM on a device with `smem` bytes of opt-in shared memory, derived from the rule's
+// parts: an instance (no FP8, <= 256 threads) and at least two slots in half the SM's shared memory.
+int32_t expected_blocks_per_sm(int64_t H, int32_t smem = kH200Smem, bool fp8 = false) {
+  const bool instance = !fp8 && layout::consumer_threads(H) + layout::kProducerThreads <= layout::kTwoBlocksMaxThreads;
+  return instance && layout::max_slots(layout::block_budget(smem, 2), H) >= tuning::kPersistentMinSlots ? 2 : 1;
+}
+
 const int64_t kHidden[] = {8, 16, 64, 72, 1024, 2048, 2056, 2304, 4096, 4104, 7168, 8192, 8200, 12288, 16384};
 
 // Every supported shape is accepted, with a geometry the kernel can run and that covers the row exactly as
@@ -81,17 +95,20 @@ TEST(PlanPersistent, EveryShapeIsServedWithAConsistentGeometry) {
           EXPECT_GE(p.slots, tuning::kPersistentMinSlots);
           EXPECT_LE(p.slots, layout::kMaxSlots);
           EXPECT_EQ(p.smem_bytes, layout::smem_bytes(p.slots, H));
-          EXPECT_LE(p.smem_bytes, kH200Smem);
-          // The ring is as deep as the budget allows (or the slot cap).
-          if (p.slots < layout::kMaxSlots) { EXPECT_GT(layout::smem_bytes(p.slots + 1, H), kH200Smem); }
+          EXPECT_EQ(p.blocks_per_sm, expected_blocks_per_sm(H));
+          const int64_t budget = layout::block_budget(kH200Smem, p.blocks_per_sm);
+          EXPECT_LE(p.smem_bytes, budget);
+          if (p.blocks_per_sm == 2) { EXPECT_LE(p.threads, layout::kTwoBlocksMaxThreads); }
+          // The ring is as deep as the block's budget allows (or the slot cap).
+          if (p.slots < layout::kMaxSlots) { EXPECT_GT(layout::smem_bytes(p.slots + 1, H), budget); }
           const int64_t rows = N + (add ? 1 : 0);
           EXPECT_EQ(p.passes, p.slots >= rows + tuning::kPersistentOnePassSpareSlots ? 1 : 2);
-          EXPECT_EQ(p.blocks, 132);
+          EXPECT_EQ(p.blocks, 132 * p.blocks_per_sm);
         }
 }
 
-// The shapes the kernel is specialised for, pinned: Kimi K3 (7168), Kimi Linear (2304), 4096, 8192, and the
-// largest row.
+// The shapes the kernel is specialised for, pinned on one block per SM: Kimi K3 (7168), Kimi Linear (2304),
+// 4096, 8192, and the largest row.
 TEST(PlanPersistent, FastPathGeometry) {
   struct Pin {
     int64_t H;
@@ -106,27 +123,30 @@ TEST(PlanPersistent, FastPathGeometry) {
                          Pin{8, 1, 64, 64}}) {
     SCOPED_TRACE("H=" + std::to_string(pin.H));
     const Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, pin.H, true), h200(),
-                                 Options{});
+                                 one_block());
     ASSERT_TRUE(p.accepted()) << p.decline;
     EXPECT_EQ(p.vectors, pin.vectors);
     EXPECT_EQ(p.threads, pin.threads);
     EXPECT_EQ(p.slots, pin.slots);
   }
-  // The bandwidth target's shape (T >= 4096, N = 9, add, H = 7168; docs/performance.md): one pass, 10 rows per token in a 16-slot ring.
-  Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), h200(), Options{});
+  // The bandwidth target's shape (T >= 4096, N = 9, add, H = 7168; docs/performance.md) on one block: one pass,
+  // 10 rows per token in a 16-slot ring.
+  Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), h200(), one_block());
   EXPECT_EQ(p.passes, 1);
   EXPECT_EQ(p.smem_bytes, 1408 + 16 * 14336);
   // H = 7168: one pass up to 15 rows per token, two beyond.
-  p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 14, 7168, true), h200(), Options{});
+  p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 14, 7168, true), h200(), one_block());
   EXPECT_EQ(p.passes, 1);
-  p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 15, 7168, true), h200(), Options{});
+  p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 15, 7168, true), h200(), one_block());
   EXPECT_EQ(p.passes, 2);
-  p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 4096, 15, 7168, false), h200(), persistent_topology());
+  Options one_block_topology = persistent_topology();
+  one_block_topology.persistent_blocks_per_sm = 1;
+  p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 4096, 15, 7168, false), h200(), one_block_topology);
   EXPECT_EQ(p.passes, 1);
-  p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 4096, 16, 7168, false), h200(), persistent_topology());
+  p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 4096, 16, 7168, false), h200(), one_block_topology);
   EXPECT_EQ(p.passes, 2);
   // H = 16384, N = 16 with an addend (17 rows of 32 KB): served in two passes over a 6-slot ring.
-  p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 16, 16384, true), h200(), Options{});
+  p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 16, 16384, true), h200(), one_block());
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.passes, 2);
   EXPECT_EQ(p.slots, 6);
@@ -151,7 +171,7 @@ TEST(PlanPersistent, ArithmeticGeometryDependsOnHiddenOnly) {
             }
             EXPECT_EQ(p.threads, base.threads) << "H=" << H << " T=" << T;
             EXPECT_EQ(p.vectors, base.vectors) << "H=" << H << " T=" << T;
-            EXPECT_EQ(p.blocks, std::min<int64_t>(T, sms));
+            EXPECT_EQ(p.blocks, std::min<int64_t>(T, int64_t{sms} * p.blocks_per_sm));
           }
         }
   }
@@ -161,7 +181,7 @@ TEST(PlanPersistent, ArithmeticGeometryDependsOnHiddenOnly) {
 // numbers (never a launch that would fail or a ring that would deadlock).
 TEST(PlanPersistent, SmallSharedMemoryShrinksTheRingOrDeclines) {
   const DeviceInfo small = h200(101376);  // a 99 KB part
-  Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), small, Options{});
+  Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), small, one_block());
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.slots, 6);
   EXPECT_EQ(p.passes, 2);
@@ -198,7 +218,9 @@ TEST(PlanPersistent, Routing) {
     EXPECT_EQ(attnres::plan(query(op, 33, 9, 7168, a), h200(), split).kernel, KernelKind::persistent);
     EXPECT_EQ(attnres::plan(query(op, 32, 9, 7168, a), h200(), split).kernel, KernelKind::split_k);
     EXPECT_EQ(attnres::plan(query(op, 1, 9, 7168, a), h200(), forced).kernel, KernelKind::persistent);
-    EXPECT_EQ(attnres::plan(query(op, 5000, 9, 7168, a), h200(), Options{}).kernel, KernelKind::split_k);
+    // Automatic: persistent with the addend at T >= 4096 (H = 7168 has the two-blocks geometry), per-token without.
+    EXPECT_EQ(attnres::plan(query(op, 5000, 9, 7168, a), h200(), Options{}).kernel,
+              a ? KernelKind::persistent : KernelKind::split_k);
   }
   Options per_token_forced = persistent_topology();
   per_token_forced.kernel = KernelKind::split_k;
@@ -266,6 +288,135 @@ TEST(PlanPersistent, ConsumersOwnSplitKVectorsLaneForLane) {
         }
     for (int32_t v = 0; v < vecs; ++v) ASSERT_EQ(owner[v], 1) << "vector " << v;
   }
+}
+
+// The automatic geometry on a described H200: two blocks per SM of half the SM's shared memory wherever an
+// instance exists (no FP8, <= 256 threads) and the half holds two slots; one block of the whole 227 KB otherwise.
+TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
+  const auto plan = [](int64_t T, int64_t N, int64_t H, Fp8Scales fp8 = Fp8Scales::none,
+                       const DeviceInfo& dev = h200()) {
+    PlanQuery q = query(AttnResOp::attn_res_add_rmsnorm_persistent, T, N, H, true);
+    q.fp8 = fp8;
+    return attnres::plan(q, dev, Options{});
+  };
+  // Kimi K3: 7 slots of 14336 bytes in (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes; one pass up to 6 rows a token.
+  Plan p = plan(16384, 9, 7168);
+  ASSERT_TRUE(p.accepted()) << p.decline;
+  EXPECT_EQ(p.blocks_per_sm, 2);
+  EXPECT_EQ(p.slots, 7);
+  EXPECT_EQ(p.passes, 2);
+  EXPECT_EQ(p.blocks, 264);
+  EXPECT_EQ(p.threads, 256);
+  EXPECT_EQ(p.smem_bytes, 1280 + 7 * 14336);
+  EXPECT_EQ(plan(4096, 2, 7168).passes, 1);
+  EXPECT_EQ(plan(4096, 5, 7168).passes, 1);  // 6 rows + 1 spare
+  EXPECT_EQ(plan(4096, 6, 7168).passes, 2);
+  EXPECT_EQ(plan(100, 9, 7168).blocks, 100);
+  EXPECT_EQ(plan(200, 9, 7168).blocks, 200);
+  // Kimi Linear and H = 4096: two blocks too.
+  EXPECT_EQ(plan(4096, 9, 2304).blocks_per_sm, 2);
+  EXPECT_EQ(plan(4096, 9, 4096).blocks_per_sm, 2);
+  // No two-blocks instance: more than 256 threads (H = 8192: 288; H = 2048: 8 consumer warps + the producer;
+  // H = 16384), or an FP8 epilogue: one block, the whole ring.
+  for (int64_t H : {int64_t{2048}, int64_t{8192}, int64_t{16384}}) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    p = plan(4096, 9, H);
+    ASSERT_TRUE(p.accepted()) << p.decline;
+    EXPECT_EQ(p.blocks_per_sm, 1);
+    EXPECT_GT(p.threads, layout::kTwoBlocksMaxThreads);
+    EXPECT_EQ(p.slots, layout::max_slots(kH200Smem, H));
+    EXPECT_FALSE(layout::two_blocks_fit(H, false, kH200Smem));
+  }
+  for (Fp8Scales fp8 : {Fp8Scales::per_token, Fp8Scales::block128}) {
+    p = plan(4096, 9, 7168, fp8);
+    ASSERT_TRUE(p.accepted()) << p.decline;
+    EXPECT_EQ(p.blocks_per_sm, 1);
+    EXPECT_EQ(p.slots, 16);
+  }
+  EXPECT_FALSE(layout::two_blocks_fit(7168, true, kH200Smem));
+  EXPECT_TRUE(layout::two_blocks_fit(7168, false, kH200Smem));
+  // Fall-back to one block where half the SM holds fewer than two slots: at H = 7168 two slots need
+  // smem_bytes(2) per block, i.e. an opt-in of 2 * (that + 1 KB) - 1 KB.
+  const int64_t need2 = 2 * (layout::smem_bytes(2, 7168) + layout::kReservedSharedPerBlock) -
+                        layout::kReservedSharedPerBlock;
+  EXPECT_EQ(layout::max_slots(layout::block_budget(need2, 2), 7168), 2);
+  EXPECT_EQ(layout::max_slots(layout::block_budget(need2 - 1, 2), 7168), 1);
+  p = plan(4096, 2, 7168, Fp8Scales::none, h200(static_cast<int32_t>(need2)));
+  ASSERT_TRUE(p.accepted()) << p.decline;
+  EXPECT_EQ(p.blocks_per_sm, 2);
+  EXPECT_EQ(p.slots, 2);
+  p = plan(4096, 2, 7168, Fp8Scales::none, h200(static_cast<int32_t>(need2 - 1)));
+  ASSERT_TRUE(p.accepted()) << p.decline;
+  EXPECT_EQ(p.blocks_per_sm, 1);
+  EXPECT_EQ(p.slots, layout::max_slots(need2 - 1, 7168));
+  // The 99 KB part keeps two blocks of 3 slots at H = 7168.
+  p = plan(4096, 9, 7168, Fp8Scales::none, h200(101376));
+  EXPECT_EQ(p.blocks_per_sm, 2);
+  EXPECT_EQ(p.slots, 3);
+}
+
+// The automatic topology's rule, a pure function: persistent only with one addend, at T >= 4096, on the
+// two-blocks geometry.
+TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
+  EXPECT_EQ(tuning::kAutomaticPersistentMinTokens, 4096);
+  static_assert(tuning::automatic_prefers_persistent(4096, true, true), "the measured crossover");
+  EXPECT_TRUE(tuning::automatic_prefers_persistent(16384, true, true));
+  EXPECT_FALSE(tuning::automatic_prefers_persistent(4095, true, true));
+  EXPECT_FALSE(tuning::automatic_prefers_persistent(4096, false, true));
+  EXPECT_FALSE(tuning::automatic_prefers_persistent(4096, true, false));
+  EXPECT_FALSE(tuning::automatic_prefers_persistent(1 << 26, true, false));
+}
+
+// Through the plan on a described H200: T = 4095 / 4096 with and without the two-blocks geometry; FP8 (no
+// two-blocks instance) and add2 stay per-token; explicit one block keeps the per-token kernels too.
+TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
+  const AttnResOp add = AttnResOp::attn_res_add_rmsnorm;
+  const auto kernel = [&](int64_t T, int64_t H, Fp8Scales fp8 = Fp8Scales::none, const Options& o = Options{},
+                          const DeviceInfo& dev = h200()) {
+    PlanQuery q = query(add, T, 9, H, true);
+    q.fp8 = fp8;
+    const Plan p = attnres::plan(q, dev, o);
+    EXPECT_TRUE(p.accepted()) << p.decline;
+    return p.kernel;
+  };
+  for (int64_t H : {int64_t{7168}, int64_t{2304}, int64_t{4096}}) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    EXPECT_EQ(kernel(4096, H), KernelKind::persistent);
+    EXPECT_EQ(kernel(16384, H), KernelKind::persistent);
+    EXPECT_EQ(kernel(4095, H), KernelKind::split_k);
+    EXPECT_EQ(kernel(1, H), KernelKind::split_k);
+  }
+  const Plan p = attnres::plan(query(add, 4096, 9, 7168, true), h200(), Options{});
+  EXPECT_EQ(p.blocks_per_sm, 2);
+  // Without the two-blocks geometry (more than 256 threads, FP8, too little shared memory) the persistent
+  // kernel would run on one block: per-token at every T.
+  for (int64_t H : {int64_t{2048}, int64_t{8192}, int64_t{16384}}) {
+    SCOPED_TRACE("H=" + std::to_string(H));
+    EXPECT_EQ(kernel(4096, H), KernelKind::split_k);
+    EXPECT_EQ(kernel(16384, H), KernelKind::split_k);
+  }
+  for (Fp8Scales fp8 : {Fp8Scales::per_token, Fp8Scales::block128}) {
+    EXPECT_EQ(kernel(4096, 7168, fp8), KernelKind::split_k);
+    EXPECT_EQ(kernel(16384, 7168, fp8), KernelKind::split_k);
+  }
+  const int32_t short_smem = static_cast<int32_t>(2 * (layout::smem_bytes(2, 7168) + layout::kReservedSharedPerBlock) -
+                                                  layout::kReservedSharedPerBlock - 1);
+  EXPECT_EQ(kernel(16384, 7168, Fp8Scales::none, Options{}, h200(short_smem)), KernelKind::split_k);
+  // Forcing one block per SM takes the geometry away from the automatic topology; forcing two keeps it.
+  EXPECT_EQ(kernel(16384, 7168, Fp8Scales::none, one_block()), KernelKind::split_k);
+  Options two;
+  two.persistent_blocks_per_sm = 2;
+  EXPECT_EQ(kernel(4096, 7168, Fp8Scales::none, two), KernelKind::persistent);
+  EXPECT_EQ(kernel(4095, 7168, Fp8Scales::none, two), KernelKind::split_k);
+  // add2 stays per-token (the persistent kernel declines it), never a decline.
+  PlanQuery q = query(add, 16384, 9, 7168, true);
+  q.add2 = true;
+  const Plan a2 = attnres::plan(q, h200(), Options{});
+  ASSERT_TRUE(a2.accepted()) << a2.decline;
+  EXPECT_EQ(a2.kernel, KernelKind::split_k);
+  // Without the addend: per-token.
+  EXPECT_EQ(attnres::plan(query(AttnResOp::attn_res_rmsnorm, 16384, 9, 7168, false), h200(), Options{}).kernel,
+            KernelKind::split_k);
 }
 
 TEST(PlanPersistent, LayoutArithmetic) {

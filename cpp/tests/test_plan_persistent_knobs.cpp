@@ -63,7 +63,7 @@ Options knobs(int32_t blocks_per_sm, int32_t slots, int32_t passes) {
 
 // H = 7168 (Kimi K3), the benchmark's variants.
 TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
-  const Plan base = attnres::plan(query(16384, 9, 7168, true), h200(), Options{});
+  const Plan base = attnres::plan(query(16384, 9, 7168, true), h200(), knobs(1, 0, 0));
   ASSERT_TRUE(base.accepted()) << base.decline;
   EXPECT_EQ(base.blocks_per_sm, 1);
   EXPECT_EQ(base.slots, 16);
@@ -87,6 +87,12 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   ASSERT_TRUE(two.accepted()) << two.decline;
   EXPECT_EQ(two.passes, 1);  // 3 rows + 1 spare fit 7 slots
   EXPECT_EQ(attnres::plan(query(100, 2, 7168, true), h200(), knobs(2, 0, 0)).blocks, 100);
+  // The automatic geometry is the two-blocks one here.
+  const Plan automatic = attnres::plan(query(16384, 9, 7168, true), h200(), Options{});
+  EXPECT_EQ(automatic.blocks_per_sm, 2);
+  EXPECT_EQ(automatic.slots, 7);
+  EXPECT_EQ(automatic.passes, 2);
+  EXPECT_EQ(automatic.blocks, 264);
 
   // A shallower ring: one pass while a token's rows and a spare slot fit, two passes below.
   Plan p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 11, 0));
@@ -100,12 +106,28 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.slots, 16);
   EXPECT_EQ(p.passes, 2);
-  // The explicit defaults are the default plan.
+  // The one-block geometry spelled out knob by knob is the one-block plan; the two-blocks one is the default.
   p = attnres::plan(query(16384, 9, 7168, true), h200(), knobs(1, 16, 1));
   EXPECT_EQ(p.slots, base.slots);
   EXPECT_EQ(p.passes, base.passes);
   EXPECT_EQ(p.blocks, base.blocks);
   EXPECT_EQ(p.smem_bytes, base.smem_bytes);
+  p = attnres::plan(query(16384, 9, 7168, true), h200(), knobs(2, 7, 2));
+  EXPECT_EQ(p.blocks_per_sm, automatic.blocks_per_sm);
+  EXPECT_EQ(p.slots, automatic.slots);
+  EXPECT_EQ(p.passes, automatic.passes);
+  EXPECT_EQ(p.smem_bytes, automatic.smem_bytes);
+  // Knobs the two-blocks geometry cannot honour leave the automatic choice at one block, not a decline: 11 slots
+  // (more than half the SM holds), or one pass for a token of 10 rows.
+  p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 11, 0));
+  EXPECT_EQ(p.blocks_per_sm, 1);
+  p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 0, 1));
+  ASSERT_TRUE(p.accepted()) << p.decline;
+  EXPECT_EQ(p.blocks_per_sm, 1);
+  EXPECT_EQ(p.slots, 16);
+  p = attnres::plan(query(4096, 2, 7168, true), h200(), knobs(0, 0, 1));  // 3 rows + 1 spare fit 7 slots
+  EXPECT_EQ(p.blocks_per_sm, 2);
+  EXPECT_EQ(p.passes, 1);
 }
 
 // Over every shape: an accepted knob plan keeps the arithmetic geometry, fits its share of the SM and obeys the
@@ -125,9 +147,13 @@ TEST(PlanPersistentKnobs, KnobsNeverChangeTheArithmeticGeometry) {
                            " knobs=" + std::to_string(bps) + "/" + std::to_string(slots) + "/" +
                            std::to_string(passes));
               const Plan p = attnres::plan(q, h200(), knobs(bps, slots, passes));
-              const int32_t per_sm = bps == 0 ? 1 : bps;
-              const int64_t budget = layout::block_budget(kH200Smem, per_sm);
               const int64_t rows = N + (add ? 1 : 0);
+              // Automatic blocks per SM: two where that geometry exists and honours the other knobs.
+              const int32_t fit2 = layout::max_slots(layout::block_budget(kH200Smem, 2), H);
+              const bool two = layout::two_blocks_fit(H, false, kH200Smem) && slots <= fit2 &&
+                               !(passes == 1 && (slots ? slots : fit2) < rows + tuning::kPersistentOnePassSpareSlots);
+              const int32_t per_sm = bps == 0 ? (two ? 2 : 1) : bps;
+              const int64_t budget = layout::block_budget(kH200Smem, per_sm);
               if (!p.accepted()) {
                 const bool too_many_threads = per_sm == 2 && base.threads > layout::kTwoBlocksMaxThreads;
                 const bool too_many_slots = slots > layout::max_slots(budget, H);
@@ -160,7 +186,11 @@ TEST(PlanPersistentKnobs, GeometriesThatDoNotFitAreDeclined) {
   EXPECT_EQ(p.decline, "persistent_slots = 17: H = 7168 fits 2 to 16 row slots in 232448 bytes per block");
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(2, 8, 0));
   EXPECT_EQ(p.decline, "persistent_slots = 8: H = 7168 fits 2 to 7 row slots in 115712 bytes per block");
+  // A slot count below the minimum is judged on the automatic geometry (two blocks at H = 7168) ...
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 1, 0));
+  EXPECT_EQ(p.decline, "persistent_slots = 1: H = 7168 fits 2 to 7 row slots in 115712 bytes per block");
+  // ... and on one block when forced.
+  p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(1, 1, 0));
   EXPECT_EQ(p.decline, "persistent_slots = 1: H = 7168 fits 2 to 16 row slots in 232448 bytes per block");
   p = attnres::plan(query(4096, 15, 7168, true), h200(), knobs(0, 0, 1));
   EXPECT_EQ(p.decline,

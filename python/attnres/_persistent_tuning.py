@@ -4,7 +4,8 @@ the torch.ops schemas.
 
 A variant sets attnres::Options' persistent_blocks_per_sm (1 or 2 blocks per SM; two share the SM's shared
 memory, so each gets a ring of half the size), persistent_slots (exactly this many ring slots) and
-persistent_passes (1 or 2 passes over each row); 0 keeps the plan's choice. None of them changes a result:
+persistent_passes (1 or 2 passes over each row); 0 keeps the plan's choice (two blocks per SM where that
+geometry exists and honours the other knobs, else one). None of them changes a result:
 which thread owns an element and every reduction order depend on H alone (cpp/src/persistent_layout.hpp).
 Values out of range raise attnres.ArgumentError (naming the op and the knob); a geometry that does not fit is
 declined by the plan (attnres.UnsupportedError when called)."""

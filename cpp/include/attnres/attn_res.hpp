@@ -69,9 +69,9 @@ const char* topology_name(Topology topology);
 
 // Options come in as arguments; the library reads no environment variable.
 struct Options {
-  // automatic (default): the per-token kernels up to the measured crossover (plan_tuning.hpp
-  // automatic_prefers_persistent), the persistent kernel above it where it supports the call (no add2, tap or
-  // snapshot write), else the per-token kernels at any T. Every CUDA kernel gives the same bits
+  // automatic (default): the persistent kernel where the H200 measured it faster (plan_tuning.hpp
+  // automatic_prefers_persistent: one addend, T >= 4096, and the persistent plan for the call on two blocks per
+  // SM) and where it supports the call (no add2, tap or snapshot write), else the per-token kernels at any T. Every CUDA kernel gives the same bits
   // (docs/ops/common.md section 8), so the choice never changes a result. per_token / persistent force one
   // family; split: per-token up to split_max_tokens, persistent above (declining what it cannot do).
   Topology topology = Topology::automatic;
@@ -82,7 +82,10 @@ struct Options {
   int32_t cluster = 0;            // split_k cluster size override (0: the measured default)
   // Tuning knobs of the persistent kernel's geometry, for benchmarks (python -m attnres.bench persistent
   // --variants; Python reaches them only through attnres._persistent_tuning). None changes a result: which
-  // thread owns an element and every reduction order depend on H alone. 0 keeps the plan's choice.
+  // thread owns an element and every reduction order depend on H alone. 0 keeps the plan's choice (blocks per
+  // SM: two where that geometry exists and honours the other knobs, else one; docs/ops/attn_res_add_rmsnorm_persistent.md).
+  // An explicit value is kept as given: a geometry that does not fit is declined, and an explicit 2 whose blocks
+  // the occupancy calculator does not find resident is refused at launch (UnsupportedError).
   int32_t persistent_blocks_per_sm = 0;  // 1 or 2 blocks per SM (2: each gets half the SM's shared memory)
   int32_t persistent_slots = 0;          // exactly this many ring slots (declined when they do not fit)
   int32_t persistent_passes = 0;         // 1 or 2 passes per row (1 declined when a token's rows do not fit)
@@ -114,7 +117,7 @@ struct Plan {
   // ring of `slots` row slots in `smem_bytes` bytes of dynamic shared memory, each row streamed `passes` times
   // (1: a token's rows stay resident from scoring to mixing; 2: they do not fit, and are streamed again to mix).
   int32_t blocks = 0;
-  int32_t blocks_per_sm = 0;  // blocks resident per SM the ring is sized for (1, or 2 through the knob)
+  int32_t blocks_per_sm = 0;  // blocks resident per SM the ring is sized for (1 or 2)
   int32_t slots = 0;
   int32_t passes = 0;
   int32_t smem_bytes = 0;

@@ -76,34 +76,6 @@ int instance_index(int vectors, bool add, Fp8Scales fp8, int blocks_per_sm) {
   return ((blocks_per_sm - 1) * 3 * 4 + static_cast<int>(fp8) * 4 + bucket) * 2 + (add ? 1 : 0);
 }
 
-// Two blocks per SM only help if both are resident: a plan for two that the instance cannot honour (registers,
-// shared memory) is refused instead of silently running one block per SM. The occupancy calculator is a
-// host-side calculation, not a stream operation; its answer is kept per (device, instance, threads, shared
-// memory), so a capture after an eager call (the benchmark's) asks nothing.
-void check_resident(AttnResOp op, PersistentFn kernel, int instance, int device, const Plan& plan) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int, int>, int> resident;
-  const auto key = std::make_tuple(device, instance, plan.threads, plan.smem_bytes);
-  int blocks = 0;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    const auto it = resident.find(key);
-    if (it != resident.end()) {
-      blocks = it->second;
-    } else {
-      cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads,
-                                                               static_cast<size_t>(plan.smem_bytes)),
-                 "cudaOccupancyMaxActiveBlocksPerMultiprocessor(persistent kernel)");
-      resident.emplace(key, blocks);
-    }
-  }
-  if (blocks < plan.blocks_per_sm)
-    throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.blocks_per_sm) +
-                           " blocks per SM are not resident (" + std::to_string(blocks) + " block(s) of " +
-                           std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem_bytes) +
-                           " bytes of shared memory fit an SM)");
-}
-
 // Two blocks per SM also ask for the largest shared-memory carveout: the driver picks the L1/shared split per
 // launch, and one sized for a single block would leave the second without room.
 void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes,
@@ -121,7 +93,38 @@ void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int d
 }
 
 
+// The blocks of `kernel` the occupancy calculator says fit one SM with the plan's threads and shared memory. A
+// host-side calculation, not a stream operation; its answer is kept per (device, instance, threads, shared
+// memory), so a capture after an eager call (the benchmark's) asks nothing. Asked after the shared-memory
+// opt-in (opt_into_shared_memory), whose carveout it depends on.
+int resident_blocks(PersistentFn kernel, int instance, int device, const Plan& plan) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, int, int, int>, int> resident;
+  const auto key = std::make_tuple(device, instance, plan.threads, plan.smem_bytes);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = resident.find(key);
+  if (it != resident.end()) return it->second;
+  int blocks = 0;
+  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads,
+                                                           static_cast<size_t>(plan.smem_bytes)),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor(persistent kernel)");
+  resident.emplace(key, blocks);
+  return blocks;
+}
+
 }  // namespace
+
+int cuda_attn_res_persistent_resident(const AttnResArgs& a, const Plan& plan) {
+  const bool add = a.layer_residual_add.present();
+  const PersistentFn kernel = select_kernel(a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  if (kernel == nullptr) return 0;
+  const int device = a.layer_residual.device.index;
+  DeviceGuard guard(device);
+  const int optin = query_device(a.layer_residual.device).shared_memory_per_block_optin;  // cached
+  const int instance = instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm);
+  opt_into_shared_memory(kernel, instance, device, optin, plan.blocks_per_sm);
+  return resident_blocks(kernel, instance, device, plan);
+}
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
@@ -189,7 +192,18 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
                            " bytes of shared memory exceed the device's " + std::to_string(optin));
   const int instance = instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm);
   opt_into_shared_memory(kernel, instance, device, optin, plan.blocks_per_sm);
-  if (plan.blocks_per_sm > 1) check_resident(op, kernel, instance, device, plan);
+  // Two blocks per SM only help if both are resident: a plan for two that the instance cannot honour (registers,
+  // shared memory) is refused instead of silently running one block per SM. run() replans an automatic
+  // geometry with one block per SM before it gets here (cuda_attn_res_persistent_resident); a forced one is
+  // refused.
+  if (plan.blocks_per_sm > 1) {
+    const int blocks = resident_blocks(kernel, instance, device, plan);
+    if (blocks < plan.blocks_per_sm)
+      throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.blocks_per_sm) +
+                             " blocks per SM are not resident (" + std::to_string(blocks) + " block(s) of " +
+                             std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem_bytes) +
+                             " bytes of shared memory fit an SM)");
+  }
 
   cudaLaunchAttribute attrs[1];
   unsigned n_attrs = 0;

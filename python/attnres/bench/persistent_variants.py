@@ -4,7 +4,8 @@ H = 7168 by default, against the per-token kernel and the copy floor of the same
 the faster of copy_ and an SM copy kernel, after a warm-up).
 
 The variants (docs/performance.md, "Persistent kernel", predicts each):
-  default     the plan: one block per SM, the deepest ring (16 slots at H = 7168), one pass where it fits;
+  default     the plan: two blocks per SM where that geometry exists (H = 7168: 7 slots each), else one;
+  one_block   one block per SM, the deepest ring (16 slots at H = 7168), one pass where it fits;
   spare1      one block per SM, a ring of exactly a token's rows + 1 slot (one pass, nothing more to prefetch);
   two_pass    one block per SM, the deepest ring, every row streamed twice (released right after scoring);
   half_ring   one block per SM with the ring two_blocks gets (7 slots at H = 7168);
@@ -27,7 +28,7 @@ from .workloads import EPS, make_sets
 
 TOKENS = (4096, 16384)
 CANDIDATES = (2, 9)
-NAMES = ("default", "spare1", "two_pass", "half_ring", "two_blocks")
+NAMES = ("default", "one_block", "spare1", "two_pass", "half_ring", "two_blocks")
 PER_TOKEN = "attnres/per_token"
 MIN_CALLS = 4  # calls per graph: a replay of one ~100 µs call is too short to time alone
 
@@ -43,8 +44,10 @@ def variants(T: int, N: int, H: int, add: bool, device="cuda") -> list[tuple[tup
     two = tuning.Variant("two_blocks", blocks_per_sm=2)
     two_slots = tuning.plan(two, tokens=T, candidates=N, hidden=H, add=add, device=device).slots
     out = []
-    for v in (tuning.Variant("default"), tuning.Variant("spare1", slots=rows + 1), tuning.Variant("two_pass", passes=2),
-              tuning.Variant("half_ring", slots=two_slots), two):
+    for v in (tuning.Variant("default"), tuning.Variant("one_block", blocks_per_sm=1),
+              tuning.Variant("spare1", blocks_per_sm=1, slots=rows + 1),
+              tuning.Variant("two_pass", blocks_per_sm=1, passes=2),
+              tuning.Variant("half_ring", blocks_per_sm=1, slots=two_slots), two):
         out.append((v, tuning.plan(v, tokens=T, candidates=N, hidden=H, add=add, device=device)))
     return out
 
