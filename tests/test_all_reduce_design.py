@@ -354,9 +354,14 @@ def test_one_kernel_declines_without_its_kernel():
                 x.norm_eps, options=opts, design="one_kernel"), parts)
         assert all(c.generation() == 0 for c in world.comms)
     world.close()
-    # auto and two_kernels run the two kernels, on the per-token topology (in the one-GPU world a persistent
-    # kernel's blocks, one per SM, leave the peer rank's exchange no room), one eager call per world: two
-    # consecutive eager fused calls in one in-process world stalled on the H200 (InProcessWorld's caveats).
+    # auto and two_kernels run, on the per-token topology (in the one-GPU world a persistent kernel's blocks,
+    # one per SM, leave the peer rank's exchange no room). The plain op runs once first, so its kernel is
+    # loaded before any exchange spins: a kernel's first launch in a process loads it (CUDA's lazy loading),
+    # which may synchronize the context, and between two ranks' launches that stalls the world
+    # (InProcessWorld's caveats; on the H200 this call stalled without the warm-up).
+    attnres.attn_res_add_rmsnorm(x.layer_residual, parts[0], x.block_residual, x.res_weight, x.rms_weight,
+                                 x.norm_weight, x.rms_eps, x.norm_eps)
+    torch.cuda.synchronize()
     for design in ("auto", "two_kernels"):
         world = InProcessWorld(2, 4, 7168, device="cuda")
         world.run(lambda c, p: attnres.all_reduce_attn_res_add_rmsnorm(

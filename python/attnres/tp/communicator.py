@@ -242,11 +242,11 @@ class InProcessWorld:
     should capture one CUDA graph per rank and replay them on the ranks' streams (bench/allreduce.py
     capture_ranks / replay_ranks). (2) Every rank's exchanging blocks must be resident at once, beside the
     blocks each rank's next kernel holds while it waits under PDL: keep T small (the benchmark stays at
-    T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. (3) Two
-    consecutive eager calls of the fused site at H = 7168 in one world stalled on the H200 (cause not found;
-    the same calls in per-rank graphs ran thousands of times, and W processes on one GPU run them eagerly
-    through the whole TP chain): tests make one eager call per world or use graphs. Ranks on separate GPUs
-    share none of these hazards."""
+    T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. (3) A kernel's
+    first launch in the process loads it (CUDA's lazy loading), which may synchronize the context: a kernel
+    first launched after one rank's exchange (the plain op of the two-kernel site) stalled the world on the
+    H200, so run each op once outside the world's exchanges (or capture graphs, whose instantiation loads
+    every kernel) before an eager exchange. Ranks on separate GPUs share none of these hazards."""
 
     def __init__(self, world_size: int, capacity: int, width: int, *, device="cpu",
                  timeout_s: float = DEFAULT_TIMEOUT_S):
