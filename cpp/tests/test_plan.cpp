@@ -27,17 +27,7 @@ DeviceInfo cpu_device() {
   return d;
 }
 
-DeviceInfo h200() {
-  DeviceInfo d;
-  d.device = Device{DeviceType::cuda, 0};
-  d.cuda_backend = true;
-  d.cc_major = 9;
-  d.cc_minor = 0;
-  d.sm_count = 132;
-  d.shared_memory_per_block_optin = 232448;  // sm_90 opt-in limit (sizes the persistent kernel's ring)
-  d.name = "NVIDIA H200";
-  return d;
-}
+DeviceInfo h200() { return described_h200(); }
 
 DeviceInfo a100() {
   DeviceInfo d = h200();

@@ -23,19 +23,9 @@ using attnres::Plan;
 using attnres::PlanQuery;
 using attnres::Topology;
 
-constexpr int32_t kH200Smem = 232448;  // cudaDeviceProp::sharedMemPerBlockOptin of sm_90 (227 KB)
+constexpr int32_t kH200Smem = kH200SmemOptin;
 
-DeviceInfo h200(int32_t smem = kH200Smem, int32_t sms = 132) {
-  DeviceInfo d;
-  d.device = Device{DeviceType::cuda, 0};
-  d.cuda_backend = true;
-  d.cc_major = 9;
-  d.cc_minor = 0;
-  d.sm_count = sms;
-  d.shared_memory_per_block_optin = smem;
-  d.name = "NVIDIA H200";
-  return d;
-}
+DeviceInfo h200(int32_t smem = kH200Smem, int32_t sms = 132) { return described_h200(smem, sms); }
 
 PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H, bool add) {
   PlanQuery q;

@@ -22,19 +22,10 @@ using attnres::Options;
 using attnres::Plan;
 using attnres::PlanQuery;
 
-constexpr int32_t kH200Smem = 232448;  // sharedMemPerBlockOptin of sm_90 (227 KB)
+constexpr int32_t kH200Smem = kH200SmemOptin;
 constexpr int32_t kH200SmPerSm = 233472;  // sharedMemPerMultiprocessor of sm_90 (228 KB)
 
-DeviceInfo h200() {
-  DeviceInfo d;
-  d.device = Device{DeviceType::cuda, 0};
-  d.cuda_backend = true;
-  d.cc_major = 9;
-  d.sm_count = 132;
-  d.shared_memory_per_block_optin = kH200Smem;
-  d.name = "NVIDIA H200";
-  return d;
-}
+DeviceInfo h200() { return described_h200(); }
 
 DeviceInfo cpu() {
   DeviceInfo d;
