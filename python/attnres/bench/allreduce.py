@@ -171,12 +171,13 @@ def capture_ranks(world: InProcessWorld, variants: list[Variant]) -> tuple[list[
     """One CUDA graph per rank holding that rank's part of every call, in order, captured on world.streams[r];
     returns the graphs and, per rank, what each captured call returned (the tensors a replay overwrites).
 
-    Not one graph with every rank's stream as a branch: a graph executor need not run parallel branches
-    concurrently, and a rank spinning on its peers' partials then waits for a branch queued behind it. Nothing
-    runs eagerly here either: an eager call that makes the caching allocator grow (cudaMalloc) between one
-    rank's launch and its peer's serializes the two (an implicit synchronization), so the first rank's
-    exchange waits for a peer that cannot start — on the H200 such warm-up calls stalled until the bounded wait
-    expired. A replay allocates nothing."""
+    Not one graph with every rank's stream as a branch: CUDA does not promise that a graph's parallel branches
+    run concurrently, and a rank spinning on its peers' partials needs its peers running. Nothing runs eagerly
+    here: an eager call that makes the caching allocator grow (cudaMalloc) between one rank's launch and its
+    peer's serializes the two (an implicit synchronization), so the first rank's exchange waits for a peer that
+    cannot start — on the H200 eager warm-up calls stalled until the bounded wait expired (at the same
+    generation with one graph for both ranks and with a graph per rank: before any replay). A replay allocates
+    nothing."""
     torch.cuda.synchronize(world.device)
     graphs, outs = [], []
     for r, stream in enumerate(world.streams):

@@ -222,8 +222,8 @@ def _reserve_cached_memory(stream, device) -> None:
     """Allocates and frees memory on `stream`, so PyTorch's caching allocator keeps it for that stream's later
     requests. Why: a cudaMalloc issued between one rank's launch and its peer's is an implicit synchronization —
     the peer's kernel then cannot start before the first rank's ends, while the first rank's exchange spins on
-    the peer's partial until the bounded wait expires (seen on the H200 in eager warm-up calls that grew the
-    allocator). A warm cache makes an eager call allocate without cudaMalloc; timing runs capture one graph per
+    the peer's partial until the bounded wait expires (the likely cause of the eager warm-up calls that stalled
+    on the H200, kernels long loaded and few blocks resident). A warm cache makes an eager call allocate without cudaMalloc; timing runs capture one graph per
     rank instead (bench/allreduce.py), whose replays allocate nothing."""
     with torch.cuda.stream(stream):
         held = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(RESERVE_SMALL_BLOCKS)]
