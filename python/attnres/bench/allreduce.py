@@ -1,7 +1,7 @@
 """The single-GPU benchmark of the fused all-reduce epilogues (python -m attnres.bench allreduce).
 
 The world: attnres.tp.InProcessWorld with W = 2 ranks on one GPU, each rank's kernels on its own stream, the
-peers' buffers in the same GPU's memory. Per site and T, four variants, each called by every rank:
+peers' buffers in the same GPU's memory. Per site and T, these variants, each called by every rank:
 
 * plain       the op without any reduction (the single-GPU epilogue): attn_res_add_rmsnorm with the partial as
               its addend (site add) or second addend (site add2); moe_finalize of the local routes with the norm;
@@ -115,7 +115,7 @@ class Variant:
 
 
 def _site_calls(site: str, ranks: list) -> dict[str, Variant]:
-    """The four variants of one call of site add / add2; ranks[r] is rank r's StepSet (its `shared` is the
+    """The five variants of one call of site add / add2; ranks[r] is rank r's StepSet (its `shared` is the
     rank's partial)."""
     partials = [s.shared for s in ranks]
 
