@@ -223,8 +223,9 @@ def _reserve_cached_memory(stream, device) -> None:
     requests. Why: a cudaMalloc issued between one rank's launch and its peer's is an implicit synchronization —
     the peer's kernel then cannot start before the first rank's ends, while the first rank's exchange spins on
     the peer's partial until the bounded wait expires (the likely cause of the eager warm-up calls that stalled
-    on the H200, kernels long loaded and few blocks resident). A warm cache makes an eager call allocate without cudaMalloc; timing runs capture one graph per
-    rank instead (bench/allreduce.py), whose replays allocate nothing."""
+    on the H200, kernels long loaded and few blocks resident). A warm cache makes an eager call allocate without
+    cudaMalloc; timing runs capture one graph per rank instead (bench/allreduce.py), whose replays allocate
+    nothing."""
     with torch.cuda.stream(stream):
         held = [torch.empty(1 << 20, dtype=torch.uint8, device=device) for _ in range(RESERVE_SMALL_BLOCKS)]
         held.append(torch.empty(RESERVE_LARGE_BYTES, dtype=torch.uint8, device=device))
@@ -244,8 +245,8 @@ class InProcessWorld:
     blocks each rank's next kernel holds while it waits under PDL: keep T small (the benchmark stays at
     T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. (3) A kernel's
     first launch in the process loads it (CUDA's lazy loading), which may synchronize the context: a kernel
-    first launched after one rank's exchange (the plain op of the two-kernel site) stalled the world on the
-    H200, so run each op once outside the world's exchanges (or capture graphs, whose instantiation loads
+    first launched after one rank's exchange (the plain op of the two-kernel site) is the most likely cause of
+    an eager call that stalled on the H200, so run each op once outside the world's exchanges (or capture graphs, whose instantiation loads
     every kernel) before an eager exchange. Ranks on separate GPUs share none of these hazards."""
 
     def __init__(self, world_size: int, capacity: int, width: int, *, device="cpu",
