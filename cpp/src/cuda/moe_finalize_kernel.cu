@@ -26,6 +26,7 @@
 
 #include "attnres/moe_finalize.hpp"
 #include "cuda/cuda_check.cuh"
+#include "cuda/device_utils.cuh"
 #include "cuda/launch_utils.hpp"
 #include "cuda/moe_norm.cuh"
 
@@ -51,12 +52,6 @@ struct MoeParams {
   int32_t vectors;             // D / 8
   float hidden, eps, scale;
 };
-
-__device__ __forceinline__ float add_rn(float a, float b) {
-  float r;
-  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-}
 
 // bf16 pairs packed little-endian in 32-bit words, and the explicit product (cuda/moe_norm.cuh).
 using moe_norm::hi;
@@ -157,8 +152,8 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const uint32_t x = word(v[c][u], i);
-          acc[u][2 * i] = add_rn(acc[u][2 * i], mul_rn(w, lo(x)));
-          acc[u][2 * i + 1] = add_rn(acc[u][2 * i + 1], mul_rn(w, hi(x)));
+          acc[u][2 * i] = add_rn_keep_subnormals(acc[u][2 * i], mul_rn(w, lo(x)));
+          acc[u][2 * i + 1] = add_rn_keep_subnormals(acc[u][2 * i + 1], mul_rn(w, hi(x)));
         }
     }
   }
@@ -172,7 +167,7 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
       uint32_t routed = pack(mul_rn(acc[u][2 * i], p.scale), mul_rn(acc[u][2 * i + 1], p.scale));
       if (p.shared) {
         const uint32_t s = word(sh[u], i);
-        routed = pack(add_rn(lo(routed), lo(s)), add_rn(hi(routed), hi(s)));
+        routed = pack(add_rn_keep_subnormals(lo(routed), lo(s)), add_rn_keep_subnormals(hi(routed), hi(s)));
       }
       word(x[u], i) = routed;
     }
