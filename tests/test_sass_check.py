@@ -61,6 +61,17 @@ def test_overwriting_a_loaded_register_fails():
     assert not ok and "R6" in detail
 
 
+def test_a_reducing_barrier_closes_the_window():
+    # __syncthreads_count (BAR.RED) ends the window like BAR.SYNC: a use before a load past it is not a finding,
+    # a use between two loads before it is.
+    ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "BAR.RED.POPC RZ, PT, 0x0",
+                         "LOP3.LUT R12, R12, R4, RZ, 0xfc, !PT", "LDG.E R30, desc[UR4][R32.64]", *_EXPS])
+    assert ok and "1 loads" in detail, detail
+    ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "LOP3.LUT R12, R12, R4, RZ, 0xfc, !PT",
+                         "@P0 LDG.E.128 R28, desc[UR4][R32.64]", "BAR.RED.POPC RZ, PT, 0x0", *_EXPS])
+    assert not ok and "touches R4" in detail
+
+
 def test_a_64_bit_operand_covers_two_registers():
     ok, detail = _check(["ACQBULK", "@P1 LDG.E.128 R4, desc[UR4][R28.64]", "@P0 LDG.E.128 R8, desc[UR4][R6.64]",
                          "BAR.SYNC.DEFER_BLOCKING 0x0", *_EXPS])

@@ -67,7 +67,9 @@ def check_loads(insns: list[str]) -> tuple[bool, str]:
     start = next((i for i, s in enumerate(insns) if "ACQBULK" in s), None)
     if start is None:
         return False, "no ACQBULK (griddepcontrol.wait)"
-    end = next((i for i in range(start, len(insns)) if "BAR.SYNC" in insns[i]), len(insns))
+    # The next block barrier: __syncthreads (BAR.SYNC) or __syncthreads_count/_and/_or (BAR.RED), which the
+    # kernel places right after its post-wait loads; no load moves across it.
+    end = next((i for i in range(start, len(insns)) if re.search(r"\bBAR\.(SYNC|RED)", insns[i])), len(insns))
     loads = [i for i in range(start, end) if _split(insns[i])[0].startswith("LDG")]
     if not loads:
         return False, "no global load after the wait"

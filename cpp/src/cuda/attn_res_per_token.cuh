@@ -8,6 +8,9 @@
 //   * Before griddepcontrol.wait it loads what no earlier kernel of the decode step writes: the weights and
 //     bank rows 0..K-2. The newest row K-1 (which the previous op may just have written as its snapshot),
 //     the prefix and the addends are loaded after the wait.
+//   * The candidates' partial sums are reduced in two phases: the bank rows loaded before the wait while the
+//     post-wait loads are in flight, then only the newest row and P once those land (one order per value,
+//     so the bits are those of a single reduction).
 //   * The addends only change the value of the last candidate (MODE add/add2 form P; MODE norm loads it):
 //     the reduction and mixing code is shared, which makes the add2 fold bitwise invisible.
 //   * Fixed reduction orders everywhere (butterfly in the warp, warps in order, cluster ranks in order), no
@@ -99,6 +102,27 @@ __device__ __forceinline__ float chunked_sum(const float* base, int stride, int 
     s += chunk;
   }
   return s;
+}
+
+// The power of two (>= 4, <= 32) that holds `values` values: a warp_reduce_scatter's width.
+constexpr int scatter_width(int values) { return values <= 4 ? 4 : values <= 8 ? 8 : values <= 16 ? 16 : 32; }
+
+// Every word of `v` ORed with `bits`.
+__device__ __forceinline__ uint4 or_word(uint4 v, uint32_t bits) {
+  return make_uint4(v.x | bits, v.y | bits, v.z | bits, v.w | bits);
+}
+
+// (sum of squares, dot with q) of one candidate row over this thread's 8 elements.
+__device__ __forceinline__ void row_sums(uint4 row, const float (&q)[8], float& ss, float& dot) {
+  float x[8];
+  unpack8(row, x);
+  ss = 0.0f;
+  dot = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ss = fmaf(x[e], x[e], ss);
+    dot = fmaf(x[e], q[e], dot);
+  }
 }
 
 // Pushes `value` into slot recv[rank_self * stride] of every block of the cluster.
@@ -277,6 +301,69 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // Release dependents here, not after the last store: see "PDL release" in the header comment.
   launch_dependents();
 
+  // ---- the candidates' (sum of squares, dot with q), reduced over the token in two phases ----
+  // Reduction per value: warp (reduce-scatter), block (warps in order), cluster (ranks in order). The early
+  // phase takes the bank rows loaded before the wait (0..K-2): it runs once the post-wait loads are issued,
+  // so its arithmetic, its barrier and its pushes to the cluster's peers overlap their round trip. The late
+  // phase, after they land, reduces only the two candidates they hold (the newest row K-1 and P). Each value's
+  // tree is the same in either phase (a reduce-scatter adds lane pairs at distances 16, 8, 4, 2, 1 whatever
+  // its width), so the bits are those of one reduction of all 2N values.
+  constexpr int kValues = 2 * NMAX;      // warp_part's and recv_part's row: (sumsq, dot) per candidate
+  constexpr int kEarly = NMAX - 2;       // rows loaded before the wait: n <= K - 2 <= NMAX - 3
+  const int early_values = 2 * (K - 1);  // values 0 .. early_values - 1 come from the early phase
+  // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
+  // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
+  // 2026-11-30). The bits are the same: chunked_sum adds its chunks' sums to +0 exactly as the cluster's
+  // rank-ordered sum does. A compile-time choice, not a runtime `ranks > 1` test: with both paths in
+  // every cluster instance (f1f44fe) the exchanges' SASS grew by 60-80 instructions and 3-5 branches.
+  constexpr bool exchange = CLUSTER;
+  // Before the first push: every peer's mbarriers are initialised (pairs with the arrive), and this block's
+  // exchange mbarrier expects every rank's values of both phases (EXCHANGE: and its "ok").
+  auto begin_exchange = [&] {
+    cluster_wait();
+    if (tid == 0)
+      mbarrier_expect_tx(shared_address(&bars[0]), ranks * (2 * N + (EXCHANGE ? 1 : 0)) * sizeof(float));
+  };
+  // `zero` is the result of the barrier that closes the post-wait load window (0: no thread's predicate is
+  // true). ptxas cannot see that it is zero, so every input of the early phase, ORed with it, depends on the
+  // barrier: without that dependency ptxas scheduled the early phase's arithmetic right after the wait, where
+  // it waited for the pre-wait rows before the post-wait loads were issued (a second round trip whenever the
+  // wait does not block) and delayed the release (tools/sass_check.py). A barrier alone does not order
+  // arithmetic that does not depend on it.
+  float q[8];
+  auto early_phase = [&](uint32_t zero) {
+    {
+      float a[8], b[8];
+      unpack8(or_word(res_w, zero), a);
+      unpack8(or_word(rms_w, zero), b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];  // rms_weight * res_weight in fp32, never rounded
+    }
+    if constexpr (kEarly > 0) {
+      constexpr int kWidth = scatter_width(2 * kEarly), kLanesPerValue = 32 / kWidth;
+      float part[kWidth];
+#pragma unroll
+      for (int i = 2 * kEarly; i < kWidth; ++i) part[i] = 0.0f;
+#pragma unroll
+      for (int n = 0; n < kEarly; ++n) {
+        rows[n] = or_word(rows[n], zero);  // in place: the mixture's unpack of the row is this one's
+        row_sums(rows[n], q, part[2 * n], part[2 * n + 1]);
+      }
+      const float sum = warp_reduce_scatter<kWidth>(part, lane);
+      const int index = lane / kLanesPerValue;
+      if (lane % kLanesPerValue == 0 && index < early_values) warp_part[warp][index] = sum;
+      __syncthreads();
+      if constexpr (exchange) {
+        begin_exchange();
+        if (tid < early_values)
+          push_to_ranks(&recv_part[rank][tid], &bars[0],
+                        ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps), ranks);
+      } else {
+        if (tid < early_values) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
+      }
+    }
+  };
+
   // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
   // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
   // schedules that, not the source order: with the newest row loaded first, CUDA 13.0's ptxas placed its OR
@@ -292,6 +379,17 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   }
   if constexpr (EXCHANGE && MODE == Mode::add2) add = load16_if(p.add + token * p.add_stride + col, valid);
   const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
+  // The barrier closes the load window (EXCHANGE: after the partial's load, below).
+  if constexpr (!EXCHANGE) {
+    const uint32_t zero = static_cast<uint32_t>(__syncthreads_count(0));
+    early_phase(zero);
+    if constexpr (kEarly == 0) {
+      // No early arithmetic to hold the first use back: ptxas moved P + S above the newest row's load (N = 2).
+      prefix = or_word(prefix, zero);
+      add = or_word(add, zero);
+      add2 = or_word(add2, zero);
+    }
+  }
   // EXCHANGE: `stores` gates every global store (the failure rule above); a constant true otherwise.
   bool stores = true;
   [[maybe_unused]] uint32_t generation = 0;
@@ -306,8 +404,9 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     // kernel wrote the state before this grid's wait returned; an error word set meanwhile by another block
     // only means this thread's exchange goes ahead (the failure is caught by the exchange's own checks).
     const uint4 mine = load16_if(p.partial + token * p.partial_stride + col, valid);
-    __syncthreads();
+    const uint32_t zero = static_cast<uint32_t>(__syncthreads_count(0));
     const uint2 state = load8(p.x.state + kGeneration);
+    early_phase(zero);  // after the state's load, which the exchange's first test waits for
     generation = state.x;
     begun = state.y == 0u;  // per thread: a block whose threads disagree writes nothing (its "ok" is false)
     stores = begun;
@@ -319,7 +418,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     if constexpr (MODE == Mode::add) add = reduced;
     else add2 = reduced;
   }
-  // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch.
+  // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch. (The early
+  // phase above read rows 0..K-2 only.)
 #pragma unroll
   for (int n = 0; n < NMAX; ++n)
     if (n + 1 == K)
@@ -344,59 +444,31 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     }
   }
 
-  // ---- per-candidate (sum of squares, dot with q) over this thread's 8 elements ----
-  float q[8];
+  // ---- the late phase of the candidates' reduction: the newest row and P, then the token's totals ----
   {
-    float a[8], b[8];
-    unpack8(res_w, a);
-    unpack8(rms_w, b);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];  // rms_weight * res_weight in fp32, never rounded
+    float part[4];
+    row_sums(newest, q, part[0], part[1]);  // zero when K = 0: its values (index -2, -1) are not stored
+    row_sums(prefix, q, part[2], part[3]);
+    const float sum = warp_reduce_scatter<4>(part, lane);
+    const int index = early_values + lane / 8;  // the newest row: 2(K-1), 2K-1; P: 2K, 2K+1
+    if (lane % 8 == 0 && index >= 0) warp_part[warp][index] = sum;
   }
-  constexpr int kValues = 2 * NMAX;  // (sumsq, dot) per candidate
-  constexpr int kPadded = kValues <= 8 ? 8 : kValues <= 16 ? 16 : 32;
-  float part[kPadded];
+  // P joins the rows as candidate K (rows[K] is still zero: its load was predicated off), so the mixture
+  // reads rows[n] for every n without a select per element; merged here, ahead of the exchange's wait.
 #pragma unroll
-  for (int i = kValues; i < kPadded; ++i) part[i] = 0.0f;
-#pragma unroll
-  for (int n = 0; n < NMAX; ++n) {
-    float x[8];
-    unpack8(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), x);
-    float ss = 0.0f, dot = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      ss = fmaf(x[e], x[e], ss);
-      dot = fmaf(x[e], q[e], dot);
-    }
-    part[2 * n] = ss;
-    part[2 * n + 1] = dot;
-  }
-
-  // ---- reduce: warp (reduce-scatter), block (warps in order), cluster (ranks in order) ----
-  {
-    constexpr int kLanesPerValue = 32 / kPadded;
-    const float sum = warp_reduce_scatter<kPadded>(part, lane);
-    const int index = lane / kLanesPerValue;
-    if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
-  }
+  for (int n = 0; n < NMAX; ++n)
+    if (n == K)
+      rows[n] = make_uint4(rows[n].x | prefix.x, rows[n].y | prefix.y, rows[n].z | prefix.z, rows[n].w | prefix.w);
   if constexpr (EXCHANGE) stores = __syncthreads_and(stores) != 0;  // the block's "ok"
   else __syncthreads();
-  if constexpr (CLUSTER) cluster_wait();  // every peer's mbarriers are initialised (pairs with the arrive)
-  // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
-  // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
-  // 2026-11-30). The bits are the same: chunked_sum adds its chunks' sums to +0 exactly as the cluster's
-  // rank-ordered sum does. A compile-time choice, not a runtime `ranks > 1` test: with both paths in
-  // every cluster instance (f1f44fe) the exchanges' SASS grew by 60-80 instructions and 3-5 branches.
-  constexpr bool exchange = CLUSTER;
+  const bool late_value = tid >= early_values && tid < 2 * N;
   if constexpr (exchange) {
+    if constexpr (kEarly == 0) begin_exchange();
+    // EXCHANGE: the block's "ok" travels with its partial sums, on the same mbarrier.
     if constexpr (EXCHANGE) {
-      // The block's "ok" travels with its partial sums, on the same mbarrier.
-      if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * (2 * N + 1) * sizeof(float));
       if (tid == 0) push_to_ranks(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, ranks);
-    } else {
-      if (tid == 0) mbarrier_expect_tx(shared_address(&bars[0]), ranks * 2 * N * sizeof(float));
     }
-    if (tid < 2 * N)
+    if (late_value)
       push_to_ranks(&recv_part[rank][tid], &bars[0], ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps),
                     ranks);
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
@@ -405,7 +477,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
       for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
     }
   } else {
-    if (tid < 2 * N) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
+    if (late_value) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
   if constexpr (EXCHANGE) {
@@ -478,7 +550,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 #pragma unroll
     for (int n = 0; n < NMAX; ++n) {
       float x[8];
-      unpack8(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), x);
+      unpack8(rows[n], x);  // candidate n: bank row n < K, P at n = K, zero past it
 #pragma unroll
       for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
     }
