@@ -7,7 +7,7 @@
 # nvidia-smi samples the SM clock and power every 200 ms meanwhile ($OUT/ab_clocks.csv). Output: the lines in
 # $OUT/ab.txt, one results file $OUT/ab.json (every run and the medians over the rounds), a summary on stdout.
 #
-#   tools/ab_commits.sh TREE [TREE...]        AB_REPEATS (default 25) sets ab_points.py's repeats
+#   tools/ab_commits.sh TREE [TREE...]        AB_REPEATS (default 25) sets ab_points.py's repeats; AB_POINTS ("T:N,...") its points
 #
 # For when the regression guard flags a point whose baseline was measured on another machine: same-run
 # references do not see every machine difference (cluster kernels depend on the GPU's GPC layout, elementwise
@@ -32,10 +32,10 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu
 smi=$!
 trap 'kill $smi 2>/dev/null || true' EXIT
 for ((r = 1; r <= ${AB_ROUNDS:-3}; r++)); do
-  echo "new $r $(date +%T.%N): $(cd /tmp && python3 "$script" "${AB_REPEATS:-25}")"
+  echo "new $r $(date +%T.%N): $(cd /tmp && python3 "$script" "${AB_REPEATS:-25}" ${AB_POINTS:-})"
   for tree in "$@"; do
     name=$(basename "$(realpath "$tree")")
-    echo "$name $r $(date +%T.%N): $(cd /tmp && PYTHONPATH="${target[$name]}" python3 "$script" "${AB_REPEATS:-25}")"
+    echo "$name $r $(date +%T.%N): $(cd /tmp && PYTHONPATH="${target[$name]}" python3 "$script" "${AB_REPEATS:-25}" ${AB_POINTS:-})"
   done
 done | tee "$out/ab.txt"
 # The same as one results file (bench_results/ keeps these): every run, and the medians over the rounds.

@@ -1,6 +1,8 @@
 """The guard's decode points measured by whichever attnres is importable (run once per build, same GPU, minutes
 apart, to tell a code change from a machine change when the guard flags a regression; tools/ab_commits.sh).
 
+    python3 tools/ab_points.py [REPEATS [T:N,T:N,...]]
+
 Prints one JSON object: per point, add2 at the planned kernel and at forced split_k clusters 7 and 8, and the
 eager MoE-tail adds as the reference.
 
@@ -90,10 +92,13 @@ def time_interleaved(graphs: dict, repeats: int, warmup: int = 3) -> dict:
 
 def main() -> None:
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 25
+    # Optional points "T:N,T:N,..." (default the guard's three).
+    points = [tuple(int(x) for x in p.split(":")) for p in sys.argv[2].split(",")] if len(sys.argv) > 2 else \
+        [(1, 2), (1, 9), (32, 9)]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     out = {"attnres": attnres.__file__, "gpu": torch.cuda.get_device_name(), "harness": "tools/ab_points.py",
            "points": {}}
-    for T, N in ((1, 2), (1, 9), (32, 9)):
+    for T, N in points:
         step_bytes = (N - 1 + 3 + 2) * T * H * 2 + 3 * H * 2  # as attnres.bench.workloads.step_bytes
         count = int(min(1024, max(8, math.ceil(2 * l2 / step_bytes))))
         sets = make_sets(T, N, count, seed=7 + T * 100 + N)

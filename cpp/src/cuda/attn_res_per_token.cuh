@@ -310,7 +310,11 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // its width), so the bits are those of one reduction of all 2N values.
   constexpr int kValues = 2 * NMAX;      // warp_part's and recv_part's row: (sumsq, dot) per candidate
   constexpr int kEarly = NMAX - 2;       // rows loaded before the wait: n <= K - 2 <= NMAX - 3
-  const int early_values = 2 * (K - 1);  // values 0 .. early_values - 1 come from the early phase
+  // The bucket of 2 (N <= 2) has no row to reduce early and keeps one phase: the two-phase code (its barrier
+  // and reordering) measured 0.08-0.12 us slower there (add, add2 at T = 1, N = 2 on the H200), 0.3 us faster
+  // at N = 5 and 9 (bench_results/h200_383ccea_ab.json).
+  constexpr bool kTwoPhases = kEarly > 0;
+  const int early_values = kTwoPhases ? 2 * (K - 1) : 0;  // values 0 .. early_values - 1: the early phase's
   // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
   // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
   // 2026-11-30). The bits are the same: chunked_sum adds its chunks' sums to +0 exactly as the cluster's
@@ -339,7 +343,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 #pragma unroll
       for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];  // rms_weight * res_weight in fp32, never rounded
     }
-    if constexpr (kEarly > 0) {
+    if constexpr (kTwoPhases) {
       constexpr int kWidth = scatter_width(2 * kEarly), kLanesPerValue = 32 / kWidth;
       float part[kWidth];
 #pragma unroll
@@ -381,14 +385,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
   // The barrier closes the load window (EXCHANGE: after the partial's load, below).
   if constexpr (!EXCHANGE) {
-    const uint32_t zero = static_cast<uint32_t>(__syncthreads_count(0));
-    early_phase(zero);
-    if constexpr (kEarly == 0) {
-      // No early arithmetic to hold the first use back: ptxas moved P + S above the newest row's load (N = 2).
-      prefix = or_word(prefix, zero);
-      add = or_word(add, zero);
-      add2 = or_word(add2, zero);
-    }
+    if constexpr (kTwoPhases) early_phase(static_cast<uint32_t>(__syncthreads_count(0)));
+    else early_phase(0u);
   }
   // EXCHANGE: `stores` gates every global store (the failure rule above); a constant true otherwise.
   bool stores = true;
@@ -404,7 +402,9 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     // kernel wrote the state before this grid's wait returned; an error word set meanwhile by another block
     // only means this thread's exchange goes ahead (the failure is caught by the exchange's own checks).
     const uint4 mine = load16_if(p.partial + token * p.partial_stride + col, valid);
-    const uint32_t zero = static_cast<uint32_t>(__syncthreads_count(0));
+    uint32_t zero = 0;
+    if constexpr (kTwoPhases) zero = static_cast<uint32_t>(__syncthreads_count(0));
+    else __syncthreads();
     const uint2 state = load8(p.x.state + kGeneration);
     early_phase(zero);  // after the state's load, which the exchange's first test waits for
     generation = state.x;
@@ -445,25 +445,37 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   }
 
   // ---- the late phase of the candidates' reduction: the newest row and P, then the token's totals ----
-  {
+  if constexpr (kTwoPhases) {
     float part[4];
     row_sums(newest, q, part[0], part[1]);  // zero when K = 0: its values (index -2, -1) are not stored
     row_sums(prefix, q, part[2], part[3]);
     const float sum = warp_reduce_scatter<4>(part, lane);
     const int index = early_values + lane / 8;  // the newest row: 2(K-1), 2K-1; P: 2K, 2K+1
     if (lane % 8 == 0 && index >= 0) warp_part[warp][index] = sum;
-  }
-  // P joins the rows as candidate K (rows[K] is still zero: its load was predicated off), so the mixture
-  // reads rows[n] for every n without a select per element; merged here, ahead of the exchange's wait.
+    // P joins the rows as candidate K (rows[K] is still zero: its load was predicated off), so the mixture
+    // reads rows[n] for every n without a select per element; merged here, ahead of the exchange's wait.
 #pragma unroll
-  for (int n = 0; n < NMAX; ++n)
-    if (n == K)
-      rows[n] = make_uint4(rows[n].x | prefix.x, rows[n].y | prefix.y, rows[n].z | prefix.z, rows[n].w | prefix.w);
+    for (int n = 0; n < NMAX; ++n)
+      if (n == K)
+        rows[n] = make_uint4(rows[n].x | prefix.x, rows[n].y | prefix.y, rows[n].z | prefix.z, rows[n].w | prefix.w);
+  } else {
+    // One phase: every candidate (rows[0] holds the newest row when K = 1, P is candidate K).
+    constexpr int kWidth = scatter_width(kValues) < 8 ? 8 : scatter_width(kValues), kLanesPerValue = 32 / kWidth;
+    float part[kWidth];
+#pragma unroll
+    for (int i = kValues; i < kWidth; ++i) part[i] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n)
+      row_sums(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), q, part[2 * n], part[2 * n + 1]);
+    const float sum = warp_reduce_scatter<kWidth>(part, lane);
+    const int index = lane / kLanesPerValue;
+    if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
+  }
   if constexpr (EXCHANGE) stores = __syncthreads_and(stores) != 0;  // the block's "ok"
   else __syncthreads();
   const bool late_value = tid >= early_values && tid < 2 * N;
   if constexpr (exchange) {
-    if constexpr (kEarly == 0) begin_exchange();
+    if constexpr (!kTwoPhases) begin_exchange();
     // EXCHANGE: the block's "ok" travels with its partial sums, on the same mbarrier.
     if constexpr (EXCHANGE) {
       if (tid == 0) push_to_ranks(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, ranks);
@@ -550,7 +562,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 #pragma unroll
     for (int n = 0; n < NMAX; ++n) {
       float x[8];
-      unpack8(rows[n], x);  // candidate n: bank row n < K, P at n = K, zero past it
+      // Candidate n: bank row n < K, P at n = K, zero past it (two phases: P is merged into rows[K] above).
+      unpack8(kTwoPhases ? rows[n] : (n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0))), x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
     }
