@@ -148,8 +148,8 @@ def test_opcheck_with_the_design_argument():
 
 
 def test_plan_binding_reports_the_design():
-    """all_reduce_attn_res_add_rmsnorm_plan_call: the chosen design (automatic at T = 2: one kernel, the
-    measured choice up to tuning::kAutomaticOneKernelMaxTokens) and the one-kernel decline (empty on the CPU)."""
+    """all_reduce_attn_res_add_rmsnorm_plan_call: the chosen design (automatic at T = 2: two kernels, the
+    measured choice at every T) and the one-kernel decline (empty on the CPU)."""
     T, H, K = 2, 64, 2
     lr = torch.zeros(T, H, dtype=BF16)
     gathered = torch.zeros(2, T, H, dtype=BF16)
@@ -165,7 +165,7 @@ def test_plan_binding_reports_the_design():
     attn.layer_residual_add = ref(torch.zeros(T, H, dtype=BF16), "t", "reduced")
     ar.output = attn.layer_residual_add
     attn.res_weight, attn.rms_weight, attn.norm_weight = (ref(w, "t", n) for n in ("a", "b", "c"))
-    for design, want in (("auto", _C.AllReduceDesign.one_kernel), ("one_kernel", _C.AllReduceDesign.one_kernel),
+    for design, want in (("auto", _C.AllReduceDesign.two_kernels), ("one_kernel", _C.AllReduceDesign.one_kernel),
                          ("two_kernels", _C.AllReduceDesign.two_kernels)):
         o = _ar_options(True, True, "auto", "t", design)
         p = _C.all_reduce_attn_res_add_rmsnorm_plan_call(ar, _C.AllReduceSite.add, attn, o, attnres.Options().to_c())

@@ -99,11 +99,13 @@ constexpr bool automatic_prefers_persistent(int64_t tokens, bool add, bool two_b
 
 // The fused all-reduce site's automatic design (all_reduce_attn_res_add_rmsnorm): one kernel (the per-token
 // kernel exchanges the partial, design a) or two kernels joined by PDL (the one-shot all-reduce, then the plain
-// op, design b). Measured on the H200 (bench_results/h200_f25619c_allreduce.json, python -m attnres.bench
-// allreduce: the in-process W = 2 world, H = 7168, N = 9): one kernel is 0.13-0.54 us faster at T = 1, 4, 8
-// for both sites and within noise at T = 32 (add +0.09, add2 -0.40 us), so it is the choice up to the largest
-// T measured; above it, unmeasured, two kernels. The plan declines one kernel where it has no instance.
-constexpr int64_t kAutomaticOneKernelMaxTokens = 32;
+// op, design b). Measured on the H200 (python -m attnres.bench allreduce: the in-process W = 2 world, H = 7168,
+// N = 9, site add): since the plain per-token kernel reduces its candidates in two phases, two kernels are the
+// faster design at every T measured (bench_results/h200_b430bf0_allreduce.json: 7.02 / 7.63 / 8.54 / 15.09 us at
+// T = 1 / 4 / 8 / 32, against 7.39 / 7.70 / 8.65 / 15.41 for one kernel, and against one kernel's best earlier
+// measurement, 7.24 / 7.88 / 9.63 / 18.62 in bench_results/h200_f25619c_allreduce.json), so automatic takes two
+// kernels at every T (a bound of 0 tokens); one kernel remains an explicit choice.
+constexpr int64_t kAutomaticOneKernelMaxTokens = 0;
 inline bool automatic_prefers_one_kernel(int64_t tokens, int64_t candidates, int64_t hidden, int32_t world_size) {
   (void)candidates;
   (void)hidden;

@@ -49,18 +49,21 @@ TEST(AllReduceDesign, SplitKRunsEitherDesign) {
   const AllReducePlan two = choose(cuda_ar_plan(), split, AllReduceDesign::two_kernels);
   ASSERT_TRUE(two.accepted());
   EXPECT_EQ(two.design, AllReduceDesign::two_kernels);
-  // The measured tuning (plan_tuning.hpp): automatic takes one kernel up to kAutomaticOneKernelMaxTokens.
+  // The measured tuning (plan_tuning.hpp): automatic takes two kernels at every T measured (1..32), where one
+  // kernel would be accepted.
   const AllReducePlan automatic = choose(cuda_ar_plan(), split, AllReduceDesign::automatic);
   ASSERT_TRUE(automatic.accepted());
-  EXPECT_EQ(automatic.design, AllReduceDesign::one_kernel);
+  EXPECT_EQ(automatic.design, AllReduceDesign::two_kernels);
   EXPECT_EQ(automatic.one_kernel_decline, "");
-  // Above the largest T measured: two kernels.
-  const int64_t above = attnres::tuning::kAutomaticOneKernelMaxTokens + 1;
-  EXPECT_EQ(choose_all_reduce_design(cuda_ar_plan(), split, Fp8Scales::none, AllReduceDesign::automatic, above - 1, 9,
-                                     7168, 2).design,
-            AllReduceDesign::one_kernel);
-  EXPECT_EQ(choose_all_reduce_design(cuda_ar_plan(), split, Fp8Scales::none, AllReduceDesign::automatic, above, 9,
-                                     7168, 2).design,
+  for (int64_t tokens : {1, 4, 8, 32, 33}) {
+    EXPECT_EQ(choose_all_reduce_design(cuda_ar_plan(), split, Fp8Scales::none, AllReduceDesign::automatic, tokens, 9,
+                                       7168, 2).design,
+              tokens <= attnres::tuning::kAutomaticOneKernelMaxTokens ? AllReduceDesign::one_kernel
+                                                                       : AllReduceDesign::two_kernels)
+        << tokens;
+  }
+  EXPECT_EQ(choose_all_reduce_design(cuda_ar_plan(), split, Fp8Scales::none, AllReduceDesign::automatic, 1, 9, 7168, 2)
+                .design,
             AllReduceDesign::two_kernels);
   // A one-block plan (split_k at H <= 1024, or a small single_cta block) has a one-kernel instance too.
   EXPECT_TRUE(choose(cuda_ar_plan(), attn_plan(KernelKind::single_cta, 128), AllReduceDesign::one_kernel).accepted());

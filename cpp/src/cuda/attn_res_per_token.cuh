@@ -312,8 +312,11 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   constexpr int kEarly = NMAX - 2;       // rows loaded before the wait: n <= K - 2 <= NMAX - 3
   // The bucket of 2 (N <= 2) has no row to reduce early and keeps one phase: the two-phase code (its barrier
   // and reordering) measured 0.08-0.12 us slower there (add, add2 at T = 1, N = 2 on the H200), 0.3 us faster
-  // at N = 5 and 9 (bench_results/h200_383ccea_ab.json).
-  constexpr bool kTwoPhases = kEarly > 0;
+  // at N = 5 and 9 (bench_results/h200_383ccea_ab.json). The EXCHANGE instances keep one phase too: there the
+  // early phase ran before this rank's partial was pushed to its peers, and the one-kernel site measured
+  // 7.39 us at T = 1 against 7.24 us with one phase (bench_results/h200_b430bf0_allreduce.json,
+  // bench_results/h200_f25619c_allreduce.json).
+  constexpr bool kTwoPhases = kEarly > 0 && !EXCHANGE;
   const int early_values = kTwoPhases ? 2 * (K - 1) : 0;  // values 0 .. early_values - 1: the early phase's
   // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
   // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
