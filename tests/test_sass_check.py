@@ -123,30 +123,32 @@ def _library_cuda_flags() -> list[str]:
     return m.group(1).split()
 
 
-def _assert_every_instance_passes(sass: str) -> None:
+def _assert_every_instance_passes(sass: str, minimum: int = 28) -> None:
     funcs = sass_check.functions(sass)
-    assert len(funcs) >= 28, f"expected every per-token instance, found {len(funcs)}"
+    assert len(funcs) >= minimum, f"expected every per-token instance, found {len(funcs)}"
     failures = {name: detail for name, insns in funcs.items() for ok, detail in [sass_check.check(insns)] if not ok}
     assert not failures, failures
 
 
 @pytest.mark.skipif(_cuda_tool("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.skipif(_cuda_tool("nvdisasm") is None, reason="no nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm wheel)")
-def test_compiled_kernels_pass(tmp_path):
-    """Compile the per-token launcher for sm_90 as the library build does and check every instance."""
+@pytest.mark.parametrize("source,instances", [("attn_res_launch.cu", 100), ("all_reduce_attn_res_kernel.cu", 20)])
+def test_compiled_kernels_pass(tmp_path, source, instances):
+    """Compile a file of per-token instances for sm_90 as the library build does and check every instance: the
+    plain ops' launcher, and the one-kernel all-reduce site's EXCHANGE instances."""
     include = tmp_path / "include" / "attnres"
     include.mkdir(parents=True)
     template = (_REPO / "cpp" / "include" / "attnres" / "version.hpp.in").read_text()
     (include / "version.hpp").write_text(
         template.replace("@PROJECT_VERSION@", "0.0.0").replace("@ATTNRES_WITH_CUDA_01@", "1"))
-    cubin = tmp_path / "attn_res_launch.cubin"
+    cubin = tmp_path / (source + ".cubin")
     cmd = [_cuda_tool("nvcc"), "-std=c++17", "-O3", "-arch=sm_90", *_library_cuda_flags(),
            f"-I{_REPO / 'cpp' / 'include'}", f"-I{_REPO / 'cpp' / 'src'}", f"-I{tmp_path / 'include'}",
-           "-cubin", str(_REPO / "cpp" / "src" / "cuda" / "attn_res_launch.cu"), "-o", str(cubin)]
+           "-cubin", str(_REPO / "cpp" / "src" / "cuda" / source), "-o", str(cubin)]
     subprocess.run(cmd, check=True, timeout=600, capture_output=True)
     sass = subprocess.run([_cuda_tool("nvdisasm"), "-c", str(cubin)], check=True, timeout=300,
                           capture_output=True, text=True).stdout
-    _assert_every_instance_passes(sass)
+    _assert_every_instance_passes(sass, instances)
 
 
 @pytest.mark.gpu

@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
       for (int i = 2 * kEarly; i < kWidth; ++i) part[i] = 0.0f;
 #pragma unroll
       for (int n = 0; n < kEarly; ++n) {
-        rows[n] = or_word(rows[n], zero);  // in place: the mixture's unpack of the row is this one's
+        rows[n] = or_word(rows[n], zero);  // in place: the mixture reads the same (unchanged) value
         row_sums(rows[n], q, part[2 * n], part[2 * n + 1]);
       }
       const float sum = warp_reduce_scatter<kWidth>(part, lane);
