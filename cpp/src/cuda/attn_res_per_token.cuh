@@ -112,19 +112,6 @@ __device__ __forceinline__ uint4 or_word(uint4 v, uint32_t bits) {
   return make_uint4(v.x | bits, v.y | bits, v.z | bits, v.w | bits);
 }
 
-// (sum of squares, dot with q) of one candidate row over this thread's 8 elements.
-__device__ __forceinline__ void row_sums(uint4 row, const float (&q)[8], float& ss, float& dot) {
-  float x[8];
-  unpack8(row, x);
-  ss = 0.0f;
-  dot = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    ss = fmaf(x[e], x[e], ss);
-    dot = fmaf(x[e], q[e], dot);
-  }
-}
-
 // Pushes `value` into slot recv[rank_self * stride] of every block of the cluster.
 __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* bar, float value, int ranks) {
   const uint32_t slot = shared_address(recv_slot), barrier = shared_address(bar);
@@ -354,7 +341,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 #pragma unroll
       for (int n = 0; n < kEarly; ++n) {
         rows[n] = or_word(rows[n], zero);  // in place: the mixture reads the same (unchanged) value
-        row_sums(rows[n], q, part[2 * n], part[2 * n + 1]);
+        vector_scores(rows[n], q, part[2 * n], part[2 * n + 1]);
       }
       const float sum = warp_reduce_scatter<kWidth>(part, lane);
       const int index = lane / kLanesPerValue;
@@ -450,8 +437,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // ---- the late phase of the candidates' reduction: the newest row and P, then the token's totals ----
   if constexpr (kTwoPhases) {
     float part[4];
-    row_sums(newest, q, part[0], part[1]);  // zero when K = 0: its values (index -2, -1) are not stored
-    row_sums(prefix, q, part[2], part[3]);
+    vector_scores(newest, q, part[0], part[1]);  // zero when K = 0: its values (index -2, -1) are not stored
+    vector_scores(prefix, q, part[2], part[3]);
     const float sum = warp_reduce_scatter<4>(part, lane);
     const int index = early_values + lane / 8;  // the newest row: 2(K-1), 2K-1; P: 2K, 2K+1
     if (lane % 8 == 0 && index >= 0) warp_part[warp][index] = sum;
@@ -469,7 +456,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     for (int i = kValues; i < kWidth; ++i) part[i] = 0.0f;
 #pragma unroll
     for (int n = 0; n < NMAX; ++n)
-      row_sums(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), q, part[2 * n], part[2 * n + 1]);
+      vector_scores(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), q, part[2 * n], part[2 * n + 1]);
     const float sum = warp_reduce_scatter<kWidth>(part, lane);
     const int index = lane / kLanesPerValue;
     if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;

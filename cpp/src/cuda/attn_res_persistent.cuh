@@ -229,20 +229,8 @@ __device__ __forceinline__ uint4 prefix_vector(const unsigned char* prefix_row, 
   }
 }
 
-// One vector's (sum of squares, dot with q): fma chains over its 8 elements in order. The thread's V vectors
-// get chains of their own (summed in j order afterwards): V independent chains instead of one 8V long, which
-// is the latency a row's scoring costs.
-__device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], float& ss, float& dot) {
-  float f[8];
-  unpack8(x, f);
-  ss = 0.0f;
-  dot = 0.0f;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    ss = fmaf(f[e], f[e], ss);
-    dot = fmaf(f[e], q[e], dot);
-  }
-}
+// A thread's V vectors get vector_scores chains of their own (device_utils.cuh; summed in j order afterwards):
+// V independent chains instead of one 8V long, which is the latency a row's scoring costs.
 
 // The sum over j of the warp sums of v[j] (j = 0..V-1), as split_k sums a chunk's warps: each v[j] a butterfly
 // over the lanes (warp_reduce_scatter: lane l ends with value l / (32 / M)), then added in j order from +0.

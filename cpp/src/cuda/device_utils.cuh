@@ -43,6 +43,20 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
   }
 }
 
+// One vector's (sum of squares, dot with q) — a candidate row's partial sums in every AttnRes kernel: fma chains
+// over its 8 elements in order.
+__device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], float& ss, float& dot) {
+  float f[8];
+  unpack8(x, f);
+  ss = 0.0f;
+  dot = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    ss = fmaf(f[e], f[e], ss);
+    dot = fmaf(f[e], q[e], dot);
+  }
+}
+
 // fp32 -> bf16, round to nearest even; cvt.rn.bf16x2.f32 keeps subnormals.
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
