@@ -81,6 +81,14 @@ def _fake_comm(op: str, state: Tensor, comm_args: tuple, **tensors) -> tuple[dic
     return refs, _comm_ref(state, *comm_args, state_address=refs.pop("state").data)
 
 
+def _validate_fake_all_reduce(refs: dict, comm: _C.CommRef, input_name: str) -> None:
+    """The library's all-reduce rules on a fake call's refs (the reduction's input is refs[input_name])."""
+    args = _C.AllReduceArgs()
+    args.comm, args.input = comm, refs[input_name]
+    args.gathered = refs.get("gathered", ABSENT)
+    _C.all_reduce_validate(args, require_output=False)
+
+
 def _check_site(op: str, site: str, layer_residual_add) -> None:
     if site not in SITES:
         raise _C.ArgumentError(f"{op}: site must be one of {SITES}, got {site!r}")
@@ -128,11 +136,7 @@ def _(input, gathered, state, buffers, world_size, rank, capacity, width, timeou
     checked = _fake_comm(op, state, (buffers, world_size, rank, capacity, width, timeout_ns), input=input,
                          gathered=gathered)
     if checked is not None:
-        refs, comm = checked
-        args = _C.AllReduceArgs()
-        args.comm, args.input = comm, refs["input"]
-        args.gathered = refs.get("gathered", ABSENT)
-        _C.all_reduce_validate(args, require_output=False)
+        _validate_fake_all_reduce(*checked, "input")
     return _rows_like(input, width)
 
 
@@ -225,11 +229,7 @@ def _(partial, gathered, state, buffers, world_size, rank, capacity, width, time
                          bank=bank, res_weight=res_weight, rms_weight=rms_weight, norm_weight=norm_weight)
     outputs = _fused_outputs(layer_residual, width, return_mixture)
     if checked is not None:
-        refs, comm = checked
-        ar = _C.AllReduceArgs()
-        ar.comm, ar.input = comm, refs["partial"]
-        ar.gathered = refs.get("gathered", ABSENT)
-        _C.all_reduce_validate(ar, require_output=False)
+        _validate_fake_all_reduce(*checked, "partial")
     # The library's rules of the attention half, the reduced sum as the site's addend.
     addends = {"layer_residual_add": outputs[0]} if site == "add" else \
         {"layer_residual_add": layer_residual_add, "layer_residual_add2": outputs[0]}
