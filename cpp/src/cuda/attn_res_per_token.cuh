@@ -112,10 +112,18 @@ __device__ __forceinline__ uint4 or_word(uint4 v, uint32_t bits) {
   return make_uint4(v.x | bits, v.y | bits, v.z | bits, v.w | bits);
 }
 
-// Pushes `value` into slot recv[rank_self * stride] of every block of the cluster.
+// Pushes `value` into `recv_slot` (this block's slot of a by-rank array) in the block of cluster rank `r`.
+__device__ __forceinline__ void push_to_rank(const float* recv_slot, uint64_t* bar, float value, int r) {
+  st_async_f32(map_to_rank(shared_address(recv_slot), r), value, map_to_rank(shared_address(bar), r));
+}
+// The same into every block of the cluster, one after the other. A value that one thread holds goes this way;
+// a value every thread holds (the norm's and the FP8 amax's block sums, EXCHANGE's "ok") is pushed by threads
+// 0..ranks-1, one rank each: measured 0.04-0.12 us faster at T = 1..32 (add2, H = 7168, N = 2..12, cold L2) and
+// 0.018-0.023 ms per 93-layer decode step than one thread pushing to every rank. Spreading the candidates'
+// pushes the same way (one (value, rank) pair per thread) measured 0.02-0.13 us slower than this loop
+// (bench_results/h200_s4_push_ab.txt).
 __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* bar, float value, int ranks) {
-  const uint32_t slot = shared_address(recv_slot), barrier = shared_address(bar);
-  for (int r = 0; r < ranks; ++r) st_async_f32(map_to_rank(slot, r), value, map_to_rank(barrier, r));
+  for (int r = 0; r < ranks; ++r) push_to_rank(recv_slot, bar, value, r);
 }
 
 // The FP8 epilogue of one token from the bf16 output `out` of this thread's vector `vec` (zeros when the
@@ -136,10 +144,8 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
     uint32_t block = 0;
     for (int i = 0; i < warps; ++i) block = max(block, warp_amax[i]);
     if constexpr (CLUSTER) {
-      if (tid == 0) {
-        mbarrier_expect_tx(shared_address(bar), ranks * sizeof(float));
-        push_to_ranks(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(block), ranks);
-      }
+      if (tid == 0) mbarrier_expect_tx(shared_address(bar), ranks * sizeof(float));
+      if (tid < ranks) push_to_rank(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(block), tid);
       mbarrier_wait_parity(shared_address(bar), 0);
       amax = 0;
       for (int r = 0; r < ranks; ++r) amax = max(amax, recv[r][0]);
@@ -318,6 +324,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     if (tid == 0)
       mbarrier_expect_tx(shared_address(&bars[0]), ranks * (2 * N + (EXCHANGE ? 1 : 0)) * sizeof(float));
   };
+  // A value's sum over the block's warps, in order (what a block pushes to its cluster's peers).
+  const auto block_sum = [&](int i) { return ordered_sum<kMaxWarps>(&warp_part[0][i], kValues, warps); };
   // `zero` is the result of the barrier that closes the post-wait load window (0: no thread's predicate is
   // true). ptxas cannot see that it is zero, so every input of the early phase, ORed with it, depends on the
   // barrier: without that dependency ptxas scheduled the early phase's arithmetic right after the wait, where
@@ -349,9 +357,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
       __syncthreads();
       if constexpr (exchange) {
         begin_exchange();
-        if (tid < early_values)
-          push_to_ranks(&recv_part[rank][tid], &bars[0],
-                        ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps), ranks);
+        if (tid < early_values) push_to_ranks(&recv_part[rank][tid], &bars[0], block_sum(tid), ranks);
       } else {
         if (tid < early_values) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
       }
@@ -468,11 +474,10 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     if constexpr (!kTwoPhases) begin_exchange();
     // EXCHANGE: the block's "ok" travels with its partial sums, on the same mbarrier.
     if constexpr (EXCHANGE) {
-      if (tid == 0) push_to_ranks(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, ranks);
+      if (tid < ranks) push_to_rank(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, tid);
     }
-    if (late_value)
-      push_to_ranks(&recv_part[rank][tid], &bars[0], ordered_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps),
-                    ranks);
+    // Two phases: the late values are the newest row's and P's (2(K-1) .. 2K+1; 0, 1 when K = 0).
+    if (late_value) push_to_ranks(&recv_part[rank][tid], &bars[0], block_sum(tid), ranks);
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
     if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
     if constexpr (EXCHANGE) {
@@ -576,10 +581,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     __syncthreads();
     float total;
     if constexpr (exchange) {
-      if (tid == 0) {
-        mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
-        push_to_ranks(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), ranks);
-      }
+      if (tid == 0) mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
+      if (tid < ranks) push_to_rank(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), tid);
       mbarrier_wait_parity(shared_address(&bars[1]), 0);
       total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
     } else {
