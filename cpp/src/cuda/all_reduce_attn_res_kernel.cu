@@ -15,23 +15,10 @@ namespace {
 
 using ExchangeKernelFn = void (*)(PerTokenExchangeParams);
 
-template <Mode M, bool CLUSTER>
-ExchangeKernelFn by_bucket(int max_candidates) {
-  static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
-  switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, Fp8Mode::none, true>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, Fp8Mode::none, true>;
-    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, Fp8Mode::none, true>;
-    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, Fp8Mode::none, true>;
-    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, Fp8Mode::none, true>;
-    default: return nullptr;
-  }
-}
-
 template <bool CLUSTER>
 ExchangeKernelFn by_site(AllReduceSite site, int max_candidates) {
-  return site == AllReduceSite::add ? by_bucket<Mode::add, CLUSTER>(max_candidates)
-                                    : by_bucket<Mode::add2, CLUSTER>(max_candidates);
+  return site == AllReduceSite::add ? per_token_instance<Mode::add, CLUSTER, Fp8Mode::none, true>(max_candidates)
+                                    : per_token_instance<Mode::add2, CLUSTER, Fp8Mode::none, true>(max_candidates);
 }
 
 }  // namespace
@@ -55,28 +42,9 @@ void cuda_all_reduce_attn_res(const AllReduceArgs& ar, AllReduceSite site, const
   p.reduced_stride = ar.output.strides[0];
   DeviceGuard guard(attn.layer_residual.device.index);
 
-  cudaLaunchAttribute attrs[2];
-  unsigned n_attrs = 0;
-  if (cluster) {
-    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[n_attrs].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-    attrs[n_attrs].val.clusterDim.y = 1;
-    attrs[n_attrs].val.clusterDim.z = 1;
-    ++n_attrs;
-  }
-  if (plan.pdl) {
-    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attrs;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(T) * static_cast<unsigned>(plan.cluster), 1, 1);
-  config.blockDim = dim3(static_cast<unsigned>(plan.threads), 1, 1);
-  config.dynamicSmemBytes = 0;
-  config.stream = static_cast<cudaStream_t>(attn.stream);
-  config.attrs = attrs;
-  config.numAttrs = n_attrs;
-  cuda_check(cudaLaunchKernelEx(&config, kernel, p), "all_reduce_attn_res_add_rmsnorm (one kernel) launch");
+  launch_kernel(kernel, p, dim3(static_cast<unsigned>(T) * static_cast<unsigned>(plan.cluster)),
+                dim3(static_cast<unsigned>(plan.threads)), 0, static_cast<cudaStream_t>(attn.stream),
+                cluster ? plan.cluster : 1, plan.pdl, "all_reduce_attn_res_add_rmsnorm (one kernel) launch");
 }
 
 }  // namespace attnres::detail

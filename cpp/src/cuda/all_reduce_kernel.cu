@@ -63,16 +63,9 @@ __global__ void __launch_bounds__(128) one_shot_all_reduce(const AllReduceParams
 
 template <int W>
 void launch(const AllReduceParams& p, const AllReducePlan& plan, cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(plan.blocks_per_token), static_cast<unsigned>(p.x.tokens), 1);
-  config.blockDim = dim3(static_cast<unsigned>(plan.threads), 1, 1);
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = plan.pdl ? 1 : 0;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  cuda_check(cudaLaunchKernelEx(&config, one_shot_all_reduce<W>, p), "all_reduce launch");
+  launch_kernel(one_shot_all_reduce<W>, p,
+                dim3(static_cast<unsigned>(plan.blocks_per_token), static_cast<unsigned>(p.x.tokens)),
+                dim3(static_cast<unsigned>(plan.threads)), 0, stream, 1, plan.pdl, "all_reduce launch");
 }
 
 }  // namespace

@@ -16,33 +16,17 @@ namespace {
 
 using KernelFn = void (*)(PerTokenParams);
 
-template <Mode M, bool CLUSTER, Fp8Mode F>
-KernelFn by_bucket(int max_candidates) {
-  // The buckets of plan_tuning.hpp. single_cta is planned for N <= 4 only (a 1024-thread block has 64
-  // registers per thread; the N <= 8 instance spilled 160 bytes); the CLUSTER = false instances of the larger
-  // buckets serve split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
-  // One case per entry of kCandidateBuckets (attnres/limits.hpp): a bucket added there without an instance
-  // here fails the static_assert.
-  static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
-  switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F>;
-    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F>;
-    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F>;
-    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F>;
-    default: return nullptr;
-  }
-}
-
+// CLUSTER = false serves single_cta (planned for N <= 4: a 1024-thread block has 64 registers per thread, and the
+// N <= 8 instance spilled 160 bytes) and split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
 template <bool CLUSTER, Fp8Mode F>
 KernelFn by_mode(Mode mode, int max_candidates) {
   switch (mode) {
     case Mode::mix:
-      if constexpr (F == Fp8Mode::none) return by_bucket<Mode::mix, CLUSTER, F>(max_candidates);
+      if constexpr (F == Fp8Mode::none) return per_token_instance<Mode::mix, CLUSTER, F>(max_candidates);
       return nullptr;  // attn_res has no normed output (validated)
-    case Mode::norm: return by_bucket<Mode::norm, CLUSTER, F>(max_candidates);
-    case Mode::add: return by_bucket<Mode::add, CLUSTER, F>(max_candidates);
-    case Mode::add2: return by_bucket<Mode::add2, CLUSTER, F>(max_candidates);
+    case Mode::norm: return per_token_instance<Mode::norm, CLUSTER, F>(max_candidates);
+    case Mode::add: return per_token_instance<Mode::add, CLUSTER, F>(max_candidates);
+    case Mode::add2: return per_token_instance<Mode::add2, CLUSTER, F>(max_candidates);
   }
   return nullptr;
 }
@@ -89,23 +73,10 @@ PerTokenParams make_per_token_params(const AttnResArgs& a, const Plan& plan) {
     p.probs_stride[i] = a.probs.present() ? a.probs.strides[i] : 0;
     p.logits_stride[i] = a.logits.present() ? a.logits.strides[i] : 0;
   }
-  p.tokens = static_cast<int32_t>(a.layer_residual.shape[0]);
-  p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
-  p.vectors = static_cast<int32_t>(H / 8);
+  set_shared_params(p, a);
   // A cluster: each block's share. One block (single_cta, split_k at a cluster of one): split_k's chunk, laid out
   // once per kChunkThreads threads, so the block reduces in split_k's order (plan.cpp one_block_threads).
   p.chunk = plan.cluster > 1 ? (p.vectors + plan.cluster - 1) / plan.cluster : tuning::split_k_chunk(H);
-  p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
-  p.rms_eps = static_cast<float>(a.rms_eps);
-  p.norm_eps = static_cast<float>(a.norm_eps);
-  if (a.fp8 != Fp8Scales::none) {
-    p.output_fp8 = tensor_ptr<uint8_t>(a.output_fp8);
-    p.fp8_scales = tensor_ptr<float>(a.fp8_scales);
-    p.output_fp8_stride = a.output_fp8.strides[0];
-    p.fp8_scales_stride[0] = a.fp8_scales.strides[0];
-    p.fp8_scales_stride[1] = a.fp8_scales.strides[1];
-    p.fp8_pow2 = a.fp8_pow2_scales ? 1 : 0;
-  }
   return p;
 }
 
@@ -130,28 +101,9 @@ void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const PerTokenParams params = make_per_token_params(a, plan);
   DeviceGuard guard(a.layer_residual.device.index);
 
-  cudaLaunchAttribute attrs[2];
-  unsigned n_attrs = 0;
-  if (cluster) {
-    attrs[n_attrs].id = cudaLaunchAttributeClusterDimension;
-    attrs[n_attrs].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-    attrs[n_attrs].val.clusterDim.y = 1;
-    attrs[n_attrs].val.clusterDim.z = 1;
-    ++n_attrs;
-  }
-  if (plan.pdl) {
-    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attrs;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(params.tokens) * static_cast<unsigned>(plan.cluster), 1, 1);
-  config.blockDim = dim3(static_cast<unsigned>(plan.threads), 1, 1);
-  config.dynamicSmemBytes = 0;
-  config.stream = static_cast<cudaStream_t>(a.stream);
-  config.attrs = attrs;
-  config.numAttrs = n_attrs;
-  cuda_check(cudaLaunchKernelEx(&config, kernel, params), "attn_res kernel launch");
+  launch_kernel(kernel, params, dim3(static_cast<unsigned>(params.tokens) * static_cast<unsigned>(plan.cluster)),
+                dim3(static_cast<unsigned>(plan.threads)), 0, static_cast<cudaStream_t>(a.stream),
+                cluster ? plan.cluster : 1, plan.pdl, "attn_res kernel launch");
 }
 
 }  // namespace attnres::detail

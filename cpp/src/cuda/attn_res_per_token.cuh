@@ -615,4 +615,21 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // mbarrier waits returned, and it pushes nothing after them.
 }
 
+// The instance for N bucket `max_candidates` (nullptr for none), one case per entry of kCandidateBuckets
+// (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. Used by the
+// plain op's launcher (cuda/attn_res_launch.cu) and the one-kernel all-reduce site's (EXCHANGE,
+// cuda/all_reduce_attn_res_kernel.cu).
+template <Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE = false>
+auto per_token_instance(int max_candidates) -> void (*)(PerTokenParamsOf<EXCHANGE>) {
+  static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
+  switch (max_candidates) {
+    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F, EXCHANGE>;
+    default: return nullptr;
+  }
+}
+
 }  // namespace attnres::detail

@@ -158,9 +158,7 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   p.bank_token_stride = a.block_residual.strides[1];
   p.output_stride = a.output.strides[0];
   p.updated_stride = a.updated.present() ? a.updated.strides[0] : 0;
-  p.tokens = static_cast<int32_t>(a.layer_residual.shape[0]);
-  p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
-  p.vectors = static_cast<int32_t>(H / 8);
+  set_shared_params(p, a);
   p.consumers = consumers;
   p.chunks = tuning::split_k_cluster(H);
   p.chunk = tuning::split_k_chunk(H);
@@ -172,17 +170,6 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   p.row_bytes = static_cast<uint32_t>(2 * H);
   p.slot_bytes = static_cast<uint32_t>(persistent::slot_bytes(H));
   p.ring_offset = static_cast<uint32_t>(persistent::ring_offset(plan.slots, H));
-  p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
-  p.rms_eps = static_cast<float>(a.rms_eps);
-  p.norm_eps = static_cast<float>(a.norm_eps);
-  if (a.fp8 != Fp8Scales::none) {
-    p.output_fp8 = tensor_ptr<uint8_t>(a.output_fp8);
-    p.fp8_scales = tensor_ptr<float>(a.fp8_scales);
-    p.output_fp8_stride = a.output_fp8.strides[0];
-    p.fp8_scales_stride[0] = a.fp8_scales.strides[0];
-    p.fp8_scales_stride[1] = a.fp8_scales.strides[1];
-    p.fp8_pow2 = a.fp8_pow2_scales ? 1 : 0;
-  }
 
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
@@ -205,21 +192,9 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
                              " bytes of shared memory fit an SM)");
   }
 
-  cudaLaunchAttribute attrs[1];
-  unsigned n_attrs = 0;
-  if (plan.pdl) {
-    attrs[n_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attrs[n_attrs].val.programmaticStreamSerializationAllowed = 1;
-    ++n_attrs;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(plan.blocks), 1, 1);
-  config.blockDim = dim3(static_cast<unsigned>(plan.threads), 1, 1);
-  config.dynamicSmemBytes = static_cast<size_t>(plan.smem_bytes);
-  config.stream = static_cast<cudaStream_t>(a.stream);
-  config.attrs = attrs;
-  config.numAttrs = n_attrs;
-  cuda_check(cudaLaunchKernelEx(&config, kernel, p), "attn_res persistent kernel launch");
+  launch_kernel(kernel, p, dim3(static_cast<unsigned>(plan.blocks)), dim3(static_cast<unsigned>(plan.threads)),
+                static_cast<size_t>(plan.smem_bytes), static_cast<cudaStream_t>(a.stream), 1, plan.pdl,
+                "attn_res persistent kernel launch");
 }
 
 }  // namespace attnres::detail

@@ -1,8 +1,9 @@
-// Host-side helpers shared by the launchers (attention-residual per-token and persistent, MoE finalize).
+// Host-side helpers shared by the launchers (attention-residual per-token and persistent, MoE finalize, all-reduce).
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include "attnres/attn_res.hpp"
 #include "attnres/tensor.hpp"
 #include "cuda/cuda_check.cuh"
 
@@ -32,5 +33,56 @@ class DeviceGuard {
  private:
   int previous_ = -1;
 };
+
+// The scalars and FP8 outputs that the per-token and persistent kernels' parameters share, from the call.
+template <typename Params>
+void set_shared_params(Params& p, const AttnResArgs& a) {
+  const int64_t H = a.layer_residual.shape[1];
+  p.tokens = static_cast<int32_t>(a.layer_residual.shape[0]);
+  p.snapshots = static_cast<int32_t>(a.block_residual.shape[0]);
+  p.vectors = static_cast<int32_t>(H / 8);
+  p.inv_hidden = static_cast<float>(1.0 / static_cast<double>(H));
+  p.rms_eps = static_cast<float>(a.rms_eps);
+  p.norm_eps = static_cast<float>(a.norm_eps);
+  if (a.fp8 != Fp8Scales::none) {
+    p.output_fp8 = tensor_ptr<uint8_t>(a.output_fp8);
+    p.fp8_scales = tensor_ptr<float>(a.fp8_scales);
+    p.output_fp8_stride = a.output_fp8.strides[0];
+    p.fp8_scales_stride[0] = a.fp8_scales.strides[0];
+    p.fp8_scales_stride[1] = a.fp8_scales.strides[1];
+    p.fp8_pow2 = a.fp8_pow2_scales ? 1 : 0;
+  }
+}
+
+// cudaLaunchKernelEx of `kernel` on `stream`: `grid` blocks of `block` threads with `smem` bytes of dynamic shared
+// memory, in thread-block clusters of `cluster` blocks along x when cluster > 1, and with programmatic stream
+// serialization when `pdl` (the kernel may start before its predecessor on the stream completes; it waits for
+// it with griddepcontrol.wait). No allocation, no synchronisation: capturable in CUDA graphs.
+template <typename Params>
+void launch_kernel(void (*kernel)(Params), const Params& params, dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t stream, int cluster, bool pdl, const char* what) {
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (cluster > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  if (pdl) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = attrs;
+  config.numAttrs = count;
+  cuda_check(cudaLaunchKernelEx(&config, kernel, params), what);
+}
 
 }  // namespace attnres::detail

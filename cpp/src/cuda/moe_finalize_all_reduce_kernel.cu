@@ -183,16 +183,8 @@ template <int W, int VPT, typename Wt>
 void launch(const FusedParams& p, const MoeFinalizePlan& fp, const AllReducePlan& plan, cudaStream_t stream) {
   constexpr int kChunk = route_chunk<VPT>();
   if (fp.route_chunk != kChunk) throw CudaError("attnres: moe_finalize_all_reduce plan and kernel disagree on the route chunk");
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(p.x.tokens));
-  config.blockDim = dim3(static_cast<unsigned>(plan.threads));
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = plan.pdl ? 1 : 0;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  cuda_check(cudaLaunchKernelEx(&config, moe_finalize_all_reduce<W, VPT, kChunk, Wt>, p), "moe_finalize_all_reduce launch");
+  launch_kernel(moe_finalize_all_reduce<W, VPT, kChunk, Wt>, p, dim3(static_cast<unsigned>(p.x.tokens)),
+                dim3(static_cast<unsigned>(plan.threads)), 0, stream, 1, plan.pdl, "moe_finalize_all_reduce launch");
 }
 
 template <int W>

@@ -198,17 +198,8 @@ void launch(const MoeParams& p, const MoeFinalizePlan& plan, int64_t tokens, cud
   constexpr int kChunk = route_chunk<VPT>();
   if (plan.route_chunk != kChunk)
     throw CudaError("attnres: moe_finalize plan and kernel disagree on the route chunk");
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(tokens));
-  config.blockDim = dim3(static_cast<unsigned>(plan.threads));
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = plan.pdl ? 1 : 0;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  cuda_check(cudaLaunchKernelEx(&config, moe_finalize_single_cta<VPT, kChunk, W>, p), "moe_finalize launch");
+  launch_kernel(moe_finalize_single_cta<VPT, kChunk, W>, p, dim3(static_cast<unsigned>(tokens)),
+                dim3(static_cast<unsigned>(plan.threads)), 0, stream, 1, plan.pdl, "moe_finalize launch");
 }
 
 }  // namespace
