@@ -119,8 +119,8 @@ __device__ __forceinline__ void push_to_rank(const float* recv_slot, uint64_t* b
 // The same into every block of the cluster, one after the other. A value that one thread holds goes this way;
 // a value every thread holds (the norm's block sum of squares, the FP8 per-token amax, EXCHANGE's "ok") is pushed
 // by threads 0..ranks-1, one rank each: measured 0.04-0.12 us faster at T = 1..32 (add2, H = 7168, N = 2..12, cold
-// L2) and 0.018-0.026 ms per 93-layer decode step than one thread pushing to every rank. Spreading the candidates'
-// pushes the same way (one (value, rank) pair per thread) measured 0.02-0.13 us slower than this loop
+// L2) and 0.017-0.032 ms per 93-layer decode step than one thread pushing to every rank. Spreading the candidates'
+// pushes the same way (one (value, rank) pair per thread) measured 0.02-0.15 us slower than this loop
 // (bench_results/h200_00603a9_push_ab.txt).
 __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* bar, float value, int ranks) {
   for (int r = 0; r < ranks; ++r) push_to_rank(recv_slot, bar, value, r);

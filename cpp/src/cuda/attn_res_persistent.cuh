@@ -229,9 +229,8 @@ __device__ __forceinline__ uint4 prefix_vector(const unsigned char* prefix_row, 
   }
 }
 
-// A thread's V vectors get vector_scores chains of their own (device_utils.cuh; summed in j order afterwards):
-// V independent chains instead of one 8V long, which is the latency a row's scoring costs.
-
+// A thread's V vectors get vector_scores chains of their own (device_utils.cuh): V independent chains instead of
+// one 8V long, which is the latency a row's scoring costs; this sums them.
 // The sum over j of the warp sums of v[j] (j = 0..V-1), as split_k sums a chunk's warps: each v[j] a butterfly
 // over the lanes (warp_reduce_scatter: lane l ends with value l / (32 / M)), then added in j order from +0.
 // Returned on lanes 0 (value group 0) and 1 (group 1) when G = 2 groups of V values are interleaved as
