@@ -10,8 +10,9 @@ The chains below make a violation visible. A "sleeper" (a foreign kernel that re
 entry and then spins for ~2 ms, longer than the host takes to launch the rest of the chain) goes first, so
 the writer after it is resident early and waits on it for a long time. The writer (the per-token add op with
 a snapshot write) writes bank row S only after that wait; zero, one or two fillers (per-token, persistent,
-moe_finalize or plain PyTorch kernels, on data of their own) follow; then a reader (split_k or the persistent
-kernel) mixes the writer's tokens, with row S among its
+moe_finalize, the streaming single_cta or plain PyTorch kernels, on data of their own) follow; then a reader
+(split_k, the persistent kernel, or the streaming single_cta on rows S-2..S+1) mixes the writer's tokens, with
+row S among its
 pre-wait rows (its newest row, loaded after the wait, when no filler is between). Row S is poisoned before
 every run. With every release after the wait, the reader's pre-wait section starts only after the writer has
 completed, and its output equals, bit for bit, the same reader run on the settled bank with PDL off. A kernel
@@ -32,6 +33,7 @@ import pytest
 import torch
 
 import attnres
+from attnres import _stream_tuning as stream
 from attnres.graphs import capture
 from conftest import requires_cuda
 from helpers import assert_same_bits
@@ -90,9 +92,11 @@ class Chain:
         self.poison = torch.full((T, H), -3.0, dtype=BF16, device="cuda")
         self.sleeper, self.sleeper_buf = _sleeper(), torch.ones(1, device="cuda")
 
-    def reader_bank(self, newest_is_s: bool):
-        """The reader's candidates: rows 0..S (S newest) or 0..S+1 of every token."""
-        return self.bank[:S + 1 if newest_is_s else S + 2]
+    def reader_bank(self, newest_is_s: bool, rows: int | None = None):
+        """The reader's candidates: rows 0..S (S newest) or 0..S+1 of every token; the last `rows` of them when
+        given (single_cta holds at most 4 candidates: 3 rows and the prefix)."""
+        bank = self.bank[:S + 1 if newest_is_s else S + 2]
+        return bank if rows is None else bank[-rows:]
 
     def write(self, sleep: bool = True):
         self.bank[S].copy_(self.poison)
@@ -110,12 +114,19 @@ class Chain:
                                                     self.norm_w, 1e-5, 1e-5, layer_residual_add=self.f_add)
         elif kind == "finalize":
             attnres.moe_finalize(self.m_rows, self.m_weights, self.m_index, eps=1e-5)
+        elif kind == "stream":
+            stream.attn_res_add_rmsnorm(stream.ALWAYS, self.f_prefix, self.f_add, self.f_bank, self.res_w,
+                                        self.rms_w, self.norm_w, 1e-5, 1e-5)
         elif kind == "torch":
             self.scratch.mul_(1.0)
         else:
             raise ValueError(kind)
 
     def read(self, reader: str, newest_is_s: bool, pdl: bool = True):
+        if reader == "stream":  # the streaming single_cta at every T (one token per block here)
+            return stream.attn_res_add_rmsnorm(stream.ALWAYS, self.reader_prefix, self.reader_add,
+                                               self.reader_bank(newest_is_s, rows=3), self.res_w, self.rms_w,
+                                               self.norm_w, 1e-5, 1e-5, pdl=pdl)[1]
         bank = self.reader_bank(newest_is_s)
         if reader == "split_k":
             opts = attnres.Options(kernel="split_k", pdl=pdl)
@@ -139,8 +150,8 @@ def chain():
 
 
 # The writer's row is read by the reader 1 (no filler: as its newest row), 2 or 3 launches later.
-FILLERS = [(), ("per_token",), ("persistent",), ("finalize",), ("torch",), ("per_token", "persistent"),
-           ("finalize", "per_token"), ("torch", "per_token"), ("persistent", "finalize")]
+FILLERS = [(), ("per_token",), ("persistent",), ("finalize",), ("stream",), ("torch",), ("per_token", "persistent"),
+           ("finalize", "per_token"), ("torch", "per_token"), ("persistent", "finalize"), ("stream", "persistent")]
 
 
 def _races_under_entry_release(fillers) -> bool:
@@ -169,7 +180,7 @@ def _settled(chain: Chain, reader: str, fillers) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fillers", FILLERS, ids=lambda f: "+".join(f) or "none")
-@pytest.mark.parametrize("reader", ["split_k", "persistent"])
+@pytest.mark.parametrize("reader", ["split_k", "persistent", "stream"])
 def test_reader_sees_rows_written_launches_earlier(chain, reader, fillers):
     expected = _settled(chain, reader, fillers)
     raced = 0
@@ -181,7 +192,7 @@ def test_reader_sees_rows_written_launches_earlier(chain, reader, fillers):
 
 
 @pytest.mark.parametrize("fillers", FILLERS, ids=lambda f: "+".join(f) or "none")
-@pytest.mark.parametrize("reader", ["split_k", "persistent"])
+@pytest.mark.parametrize("reader", ["split_k", "persistent", "stream"])
 def test_reader_sees_rows_written_launches_earlier_in_graph(chain, reader, fillers):
     expected = _settled(chain, reader, fillers)
     graph, out = capture(lambda: chain.run(reader, fillers))

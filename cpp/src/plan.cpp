@@ -71,6 +71,18 @@ int32_t one_block_threads(int64_t hidden) {
 
 std::string persistent_decline(const PlanQuery& q);
 
+// single_cta streams (cuda/attn_res_per_token.cuh, STREAM) from the knob's T on, by default once there are more
+// tokens than SMs (one block of a few hundred threads and up to 64 registers each fills an SM's registers, so
+// without streaming each SM runs its tokens one after the other, every one a full DRAM round trip); bf16 output
+// only, and only where the prefetch buffers fit the block's shared memory. Its shared memory, 0 when it does not.
+int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Options& o, const Plan& p) {
+  const int64_t from = o.stream_min_tokens > 0 ? o.stream_min_tokens : int64_t{dev.sm_count} + 1;
+  if (q.fp8 != Fp8Scales::none || q.tokens < from) return 0;
+  const int64_t bytes = tuning::stream_smem_bytes(p.max_candidates, q.add, q.add2, p.threads);
+  if (bytes + tuning::kStreamStaticSharedBytes > dev.shared_memory_per_block_optin) return 0;
+  return static_cast<int32_t>(bytes);
+}
+
 // The blocks per SM of the persistent plan for the call: the knob when set, else two wherever that geometry
 // exists (persistent::two_blocks_fit) and also honours the other knobs (a slot count that fits half the SM, one
 // pass when forced), else one. A function of H, FP8, the device and the knobs (and N only for a forced single
@@ -180,6 +192,9 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   knob("persistent_blocks_per_sm", o.persistent_blocks_per_sm, persistent::kMaxBlocksPerSm);
   knob("persistent_slots", o.persistent_slots, persistent::kMaxSlots);
   knob("persistent_passes", o.persistent_passes, 2);
+  if (o.stream_min_tokens < 0)
+    throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_min_tokens must be >= 0 (0: the plan's "
+                        "bound), got " + std::to_string(o.stream_min_tokens));
 
   // A shape-only query (attnres.plan) never accepts what the ops would reject.
   if (q.tokens < 1) return declined("T = " + std::to_string(q.tokens) + " tokens: T must be >= 1");
@@ -253,6 +268,7 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (kernel == KernelKind::single_cta) {
     p.cluster = 1;
     p.threads = one_block_threads(q.hidden);
+    p.smem_bytes = stream_smem_bytes(q, dev, o, p);
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel

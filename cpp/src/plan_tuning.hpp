@@ -59,6 +59,19 @@ inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden
   return false;
 }
 
+// The streaming single_cta (cuda/attn_res_per_token.cuh, STREAM): min(T, resident) blocks loop over the tokens,
+// each prefetching its next token's rows into shared memory (cp.async) while it reduces the current one. Per
+// buffer, slots 0 .. bucket - 2 hold the bank rows, slot bucket - 1 the prefix, then the addends; two buffers.
+constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
+  return bucket + (add ? 1 : 0) + (add2 ? 1 : 0);
+}
+constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t threads) {
+  return int64_t{2} * stream_slots(bucket, add, add2) * threads * 16;
+}
+// What the plan leaves of the block's shared memory for the kernel's static arrays (~1.3 KB in the one-block
+// instances of buckets 2 and 4: the per-warp partial sums).
+constexpr int64_t kStreamStaticSharedBytes = 4096;
+
 // split_k cluster size: enough blocks that each owns at most kSplitKBlockVectors vectors (1024 elements),
 // capped at the portable 8. A function of H only, never of T: a token's result must not depend on how many
 // tokens share the call. It fixes the reduction order of every kernel (see split_k_chunk). Measured at H = 7168

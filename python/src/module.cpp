@@ -150,7 +150,8 @@ NB_MODULE(_C, m) {
       // part of attnres.Options nor of the torch.ops schemas.
       .def_rw("_persistent_blocks_per_sm", &Options::persistent_blocks_per_sm)
       .def_rw("_persistent_slots", &Options::persistent_slots)
-      .def_rw("_persistent_passes", &Options::persistent_passes);
+      .def_rw("_persistent_passes", &Options::persistent_passes)
+      .def_rw("_stream_min_tokens", &Options::stream_min_tokens);
 
   nb::class_<PlanQuery>(m, "PlanQuery")
       .def(nb::init<>())

@@ -89,6 +89,10 @@ struct Options {
   int32_t persistent_blocks_per_sm = 0;  // 1 or 2 blocks per SM (2: each gets half the SM's shared memory)
   int32_t persistent_slots = 0;          // exactly this many ring slots (declined when they do not fit)
   int32_t persistent_passes = 0;         // 1 or 2 passes per row (1 declined when a token's rows do not fit)
+  // Benchmark-only (Python: attnres.Options has no such field; `_stream_min_tokens` of the binding): single_cta
+  // streams (min(T, resident) blocks loop over the tokens, prefetching the next one's rows; the same bits) from
+  // this T on, where its shared memory fits and the output is bf16. 0: the plan's bound (more tokens than SMs).
+  int64_t stream_min_tokens = 0;
 };
 
 // What the plan needs to know of a call: a pure function of these, the device and the options.
@@ -120,6 +124,8 @@ struct Plan {
   int32_t blocks_per_sm = 0;  // blocks resident per SM the ring is sized for (1 or 2)
   int32_t slots = 0;
   int32_t passes = 0;
+  // persistent: the ring. single_cta: > 0 when it streams (the tokens' prefetch buffers; the launcher runs as many
+  // blocks as are resident, never more than T, each looping over the tokens blockIdx.x, + gridDim.x, ...).
   int32_t smem_bytes = 0;
 
   bool accepted() const { return decline.empty(); }

@@ -4,11 +4,6 @@
 // from shapes and the device only: capturable in CUDA graphs.
 #include <cuda_runtime.h>
 
-#include <atomic>
-#include <map>
-#include <mutex>
-#include <tuple>
-
 #include "backend.hpp"
 #include "cuda/attn_res_persistent.cuh"
 #include "cuda/cuda_check.cuh"
@@ -63,53 +58,14 @@ PersistentFn select_kernel(Fp8Scales fp8, bool add, int vectors, int blocks_per_
   return nullptr;
 }
 
-// The dynamic shared memory above 48 KB must be opted into per kernel and device. Done once per (instance,
-// device) at the device's full opt-in size (one value, so two threads racing here set the same thing), so
-// every later launch of that instance fits whatever ring the plan sizes. cudaFuncSetAttribute is neither a
-// stream operation nor a synchronisation: it is legal while a CUDA graph is being captured
-// (tests/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
-constexpr int kMaxDevices = 64;
-constexpr int kInstances = 48;  // (4 vector buckets x (add, no add) x 3 FP8 modes) x (1, 2 blocks per SM)
-
-int instance_index(int vectors, bool add, Fp8Scales fp8, int blocks_per_sm) {
-  const int bucket = vectors == 1 ? 0 : vectors == 2 ? 1 : vectors == 4 ? 2 : 3;
-  return ((blocks_per_sm - 1) * 3 * 4 + static_cast<int>(fp8) * 4 + bucket) * 2 + (add ? 1 : 0);
-}
-
-// Two blocks per SM also ask for the largest shared-memory carveout: the driver picks the L1/shared split per
-// launch, and one sized for a single block would leave the second without room.
-void opt_into_shared_memory(PersistentFn kernel, int instance, int device, int device_optin_bytes,
-                            int blocks_per_sm) {
-  static std::atomic<bool> done[kMaxDevices][kInstances] = {};
-  std::atomic<bool>* flag = device >= 0 && device < kMaxDevices ? &done[device][instance] : nullptr;
-  if (flag && flag->load(std::memory_order_acquire)) return;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, device_optin_bytes),
-             "cudaFuncSetAttribute(persistent kernel, MaxDynamicSharedMemorySize)");
-  if (blocks_per_sm > 1)
-    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    cudaSharedmemCarveoutMaxShared),
-               "cudaFuncSetAttribute(persistent kernel, PreferredSharedMemoryCarveout)");
-  if (flag) flag->store(true, std::memory_order_release);
-}
-
-
-// The blocks of `kernel` the occupancy calculator says fit one SM with the plan's threads and shared memory. A
-// host-side calculation, not a stream operation; its answer is kept per (device, instance, threads, shared
-// memory), so a capture after an eager call (the benchmark's) asks nothing. Asked after the shared-memory
-// opt-in (opt_into_shared_memory), whose carveout it depends on.
-int resident_blocks(PersistentFn kernel, int instance, int device, const Plan& plan) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, int, int, int>, int> resident;
-  const auto key = std::make_tuple(device, instance, plan.threads, plan.smem_bytes);
-  std::lock_guard<std::mutex> lock(mutex);
-  const auto it = resident.find(key);
-  if (it != resident.end()) return it->second;
-  int blocks = 0;
-  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, plan.threads,
-                                                           static_cast<size_t>(plan.smem_bytes)),
-             "cudaOccupancyMaxActiveBlocksPerMultiprocessor(persistent kernel)");
-  resident.emplace(key, blocks);
-  return blocks;
+// The blocks of the plan's geometry resident per SM, after opting `kernel` into the device's shared memory (two
+// blocks per SM also ask for the largest carveout).
+int persistent_resident(PersistentFn kernel, int device, int optin, const Plan& plan) {
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  opt_into_shared_memory(fn, device, optin, plan.blocks_per_sm > 1,
+                         "cudaFuncSetAttribute(persistent kernel, shared memory)");
+  return resident_blocks(fn, device, plan.threads, plan.smem_bytes,
+                         "cudaOccupancyMaxActiveBlocksPerMultiprocessor(persistent kernel)");
 }
 
 }  // namespace
@@ -121,9 +77,7 @@ int cuda_attn_res_persistent_resident(const AttnResArgs& a, const Plan& plan) {
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
   const int optin = query_device(a.layer_residual.device).shared_memory_per_block_optin;  // cached
-  const int instance = instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm);
-  opt_into_shared_memory(kernel, instance, device, optin, plan.blocks_per_sm);
-  return resident_blocks(kernel, instance, device, plan);
+  return persistent_resident(kernel, device, optin, plan);
 }
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
@@ -177,20 +131,16 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   if (plan.smem_bytes > optin)
     throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.smem_bytes) +
                            " bytes of shared memory exceed the device's " + std::to_string(optin));
-  const int instance = instance_index(plan.vectors, add, a.fp8, plan.blocks_per_sm);
-  opt_into_shared_memory(kernel, instance, device, optin, plan.blocks_per_sm);
   // Two blocks per SM only help if both are resident: a plan for two that the instance cannot honour (registers,
   // shared memory) is refused instead of silently running one block per SM. run() replans an automatic
   // geometry with one block per SM before it gets here (cuda_attn_res_persistent_resident); a forced one is
   // refused.
-  if (plan.blocks_per_sm > 1) {
-    const int blocks = resident_blocks(kernel, instance, device, plan);
-    if (blocks < plan.blocks_per_sm)
-      throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.blocks_per_sm) +
-                             " blocks per SM are not resident (" + std::to_string(blocks) + " block(s) of " +
-                             std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem_bytes) +
-                             " bytes of shared memory fit an SM)");
-  }
+  const int blocks = persistent_resident(kernel, device, optin, plan);
+  if (plan.blocks_per_sm > 1 && blocks < plan.blocks_per_sm)
+    throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.blocks_per_sm) +
+                           " blocks per SM are not resident (" + std::to_string(blocks) + " block(s) of " +
+                           std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem_bytes) +
+                           " bytes of shared memory fit an SM)");
 
   launch_kernel(kernel, p, dim3(static_cast<unsigned>(plan.blocks)), dim3(static_cast<unsigned>(plan.threads)),
                 static_cast<size_t>(plan.smem_bytes), static_cast<cudaStream_t>(a.stream), 1, plan.pdl,

@@ -75,6 +75,16 @@ __device__ __forceinline__ float add_rn_keep_subnormals(float a, float b) {
   return r;
 }
 
+// Asynchronous 16-byte copy global -> shared (cp.async, L2 only), or 16 zero bytes when `pred` is false (the
+// source is then not read; `gmem` must still be a valid address). Completion is tracked per thread: a thread's
+// cp_async_wait_all() makes its own copies visible to itself (no barrier when each thread reads only its own).
+__device__ __forceinline__ void cp_async16_zfill(uint32_t smem, const void* gmem, bool pred) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem), "l"(gmem), "r"(pred ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
 // Programmatic dependent launch (sm_90). Both are no-ops when the launch did not enable PDL.
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }

@@ -3,6 +3,12 @@
 
 #include <cuda_runtime.h>
 
+#include <map>
+#include <mutex>
+#include <set>
+#include <tuple>
+#include <utility>
+
 #include "attnres/attn_res.hpp"
 #include "attnres/tensor.hpp"
 #include "cuda/cuda_check.cuh"
@@ -52,6 +58,45 @@ void set_shared_params(Params& p, const AttnResArgs& a) {
     p.fp8_scales_stride[1] = a.fp8_scales.strides[1];
     p.fp8_pow2 = a.fp8_pow2_scales ? 1 : 0;
   }
+}
+
+// Dynamic shared memory above 48 KB must be opted into per kernel and device. Done once per (kernel, device) at
+// the device's full opt-in size (one value, so two threads racing here set the same thing), so every later
+// launch of that kernel fits whatever the plan sizes; `max_carveout` also asks for the largest shared-memory
+// carveout (the driver picks the L1/shared split per launch, and one sized for a single block would leave a
+// second resident block without room). cudaFuncSetAttribute is neither a stream operation nor a
+// synchronisation: it is legal while a CUDA graph is being captured
+// (tests/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
+inline void opt_into_shared_memory(const void* kernel, int device, int optin_bytes, bool max_carveout,
+                                   const char* what) {
+  static std::mutex mutex;
+  static std::set<std::pair<int, const void*>> done;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (done.count({device, kernel})) return;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin_bytes), what);
+  if (max_carveout)
+    cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared),
+               what);
+  done.insert({device, kernel});
+}
+
+// The blocks of `kernel` the occupancy calculator says fit one SM with `threads` threads and `smem_bytes` of
+// dynamic shared memory. A host-side calculation, not a stream operation; its answer is kept per (device, kernel,
+// threads, shared memory), so a capture after an eager call asks nothing. Asked after the shared-memory opt-in,
+// whose carveout it depends on.
+inline int resident_blocks(const void* kernel, int device, int threads, int smem_bytes, const char* what) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int, int>, int> resident;
+  const auto key = std::make_tuple(device, kernel, threads, smem_bytes);
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto it = resident.find(key);
+  if (it != resident.end()) return it->second;
+  int blocks = 0;
+  cuda_check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, static_cast<size_t>(smem_bytes)),
+             what);
+  resident.emplace(key, blocks);
+  return blocks;
 }
 
 // cudaLaunchKernelEx of `kernel` on `stream`: `grid` blocks of `block` threads with `smem` bytes of dynamic shared

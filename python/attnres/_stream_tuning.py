@@ -1,0 +1,59 @@
+"""The streaming single_cta's knob (attnres::Options::stream_min_tokens), for the benchmark's A/B and the tests
+that hold the streaming kernel to split_k's bits at every T. Private: not part of attnres.Options nor of the
+torch.ops schemas.
+
+single_cta streams from T = min_tokens on: min(T, resident) blocks loop over the tokens, each prefetching its
+next token's rows into shared memory while it reduces the current one (cpp/src/cuda/attn_res_per_token.cuh,
+STREAM). 0 keeps the plan's bound (more tokens than SMs); ALWAYS streams at every T, NEVER at none. The knob
+changes no bit: the streaming kernel runs single_cta's arithmetic on every token. A negative value raises
+attnres.ArgumentError (naming the op and the knob)."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from . import _C
+from ._custom_ops import _OPS, _add_rmsnorm
+from .options import Options
+from .planning import PlanInfo, device_info
+
+ALWAYS = 1
+NEVER = 1 << 62
+
+
+class StreamOptions:
+    """What the ops layer's runner asks of an options object (to_c), with the knob set."""
+
+    def __init__(self, min_tokens: int, kernel: str = "single_cta", pdl: bool = True):
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
+            raise _C.ArgumentError(f"stream_min_tokens must be an int, got {min_tokens!r}")
+        self.min_tokens, self.base = min_tokens, Options(kernel=kernel, pdl=pdl)
+
+    def to_c(self) -> _C.Options:
+        o = self.base.to_c()
+        o._stream_min_tokens = self.min_tokens
+        return o
+
+
+def plan(min_tokens: int, op: str = "attn_res_add_rmsnorm", *, tokens: int, candidates: int, hidden: int,
+         add: bool = True, add2: bool = False, device="cuda", kernel: str = "single_cta") -> PlanInfo:
+    """The plan of `op` under the knob (device: as attnres.plan's, e.g. "h200" without a GPU)."""
+    q = _C.PlanQuery()
+    q.op = getattr(_C.AttnResOp, op)
+    q.tokens, q.candidates, q.hidden, q.add, q.add2 = int(tokens), int(candidates), int(hidden), bool(add), bool(add2)
+    p = _C.plan_query(q, device_info(device), StreamOptions(min_tokens, kernel).to_c())
+    if not p.accepted:
+        return PlanInfo(kernel=None, decline=p.decline)
+    return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
+                    max_candidates=p.max_candidates, pdl=p.pdl, smem_bytes=p.smem_bytes)
+
+
+def attn_res_add_rmsnorm(min_tokens: int, layer_residual: Tensor, layer_residual_add: Tensor, block_residual: Tensor,
+                         res_weight: Tensor, rms_weight: Tensor, norm_weight: Tensor, rms_eps: float = 1e-5,
+                         norm_eps: float = 1e-5, *, layer_residual_add2: Tensor | None = None,
+                         return_mixture: bool = False, snapshot_slot: int = -1, kernel: str = "single_cta",
+                         pdl: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """attn_res_add_rmsnorm on single_cta under the knob: (updated, output, mixture; empty when not asked)."""
+    return _add_rmsnorm(_OPS.attn_res_add_rmsnorm, layer_residual, layer_residual_add, layer_residual_add2,
+                        block_residual, res_weight, rms_weight, norm_weight, float(rms_eps), float(norm_eps),
+                        bool(return_mixture), int(snapshot_slot), StreamOptions(min_tokens, kernel, pdl))

@@ -1,0 +1,72 @@
+"""The plan of the streaming single_cta (no GPU needed: the described H200, 132 SMs, 227 KB of shared memory
+per block). single_cta streams once there are more tokens than SMs (or from the benchmark-only knob's T on),
+for the bf16 output, where the two prefetch buffers fit the block's shared memory; the automatic choice is
+unchanged by the knob's presence."""
+
+from __future__ import annotations
+
+import pytest
+
+import attnres
+from attnres import _stream_tuning as stream
+
+SMS = 132
+OPTIN = 232448
+
+
+def _bytes(bucket: int, add: bool, add2: bool, threads: int) -> int:
+    slots = bucket + add + add2  # bank rows 0..bucket-2, the prefix, the addends
+    return 2 * slots * threads * 16
+
+
+@pytest.mark.parametrize("N,bucket", [(1, 2), (2, 2), (3, 4), (4, 4)])
+@pytest.mark.parametrize("add,add2", [(False, False), (True, False), (True, True)])
+def test_single_cta_streams_past_one_token_per_sm(N, bucket, add, add2):
+    H = 7168
+    for T, streams in ((1, False), (SMS, False), (SMS + 1, True), (16384, True)):
+        p = stream.plan(0, tokens=T, candidates=N, hidden=H, add=add, add2=add2, device="h200")
+        assert p.kernel == "single_cta" and p.threads == 896, p
+        assert p.smem_bytes == (_bytes(bucket, add, add2, 896) if streams else 0), (T, p)
+    # The public plan reports the same (attnres.plan, kernel forced).
+    op = "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
+    p = attnres.plan(op, tokens=SMS + 1, candidates=N, hidden=H, device="h200", add=add, add2=add2,
+                     options=attnres.Options(kernel="single_cta"))
+    assert p.smem_bytes == _bytes(bucket, add, add2, 896), p
+
+
+def test_the_knob_moves_the_bound():
+    kw = dict(candidates=4, hidden=7168, add2=True, device="h200")
+    assert stream.plan(stream.ALWAYS, tokens=1, **kw).smem_bytes > 0
+    assert stream.plan(stream.NEVER, tokens=16384, **kw).smem_bytes == 0
+    assert stream.plan(500, tokens=499, **kw).smem_bytes == 0
+    assert stream.plan(500, tokens=500, **kw).smem_bytes > 0
+
+
+def test_no_streaming_for_fp8_or_buffers_that_do_not_fit():
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1000, candidates=4, hidden=7168, device="h200", add=True,
+                     fp8="block128", options=attnres.Options(kernel="single_cta"))
+    assert p.kernel == "single_cta" and p.smem_bytes == 0, p
+    # H = 8192 (1024 threads), bucket 4, two addends: 2 x 6 x 1024 x 16 = 196,608 B + the static arrays fit.
+    p = stream.plan(0, tokens=1000, candidates=4, hidden=8192, add2=True, device="h200")
+    assert p.smem_bytes == 196608, p
+    # A device with less shared memory per block: the buffers do not fit, single_cta runs one token per block.
+    small = {"cc_major": 9, "cc_minor": 0, "sm_count": SMS, "shared_memory_per_block_optin": 100 * 1024}
+    p = stream.plan(0, tokens=1000, candidates=4, hidden=8192, add2=True, device=small)
+    assert p.kernel == "single_cta" and p.smem_bytes == 0, p
+
+
+def test_split_k_and_persistent_plans_are_not_streamed():
+    for kernel in ("split_k", "persistent"):
+        p = stream.plan(stream.ALWAYS, tokens=1000, candidates=2, hidden=7168, device="h200", kernel=kernel)
+        assert p.kernel == kernel, p
+        if kernel == "split_k":
+            assert p.smem_bytes == 0, p
+
+
+@pytest.mark.parametrize("bad", [-1, -(1 << 40)])
+def test_the_knob_is_validated(bad):
+    with pytest.raises(attnres.ArgumentError,
+                       match=r"^attn_res_add_rmsnorm: options\.stream_min_tokens must be >= 0 \(0: the plan's bound\), got -"):
+        stream.plan(bad, tokens=300, candidates=2, hidden=7168, device="h200")
+    with pytest.raises(attnres.ArgumentError, match="stream_min_tokens must be an int"):
+        stream.StreamOptions(1.5)
