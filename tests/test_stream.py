@@ -139,3 +139,4 @@ def test_stream_graph_replay_equals_eager():
         torch.cuda.synchronize()
         assert_same_bits(out, _split_k(inp, tap=False)[1], f"replay {step} vs split_k eager")
 
+

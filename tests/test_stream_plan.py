@@ -70,3 +70,27 @@ def test_the_knob_is_validated(bad):
         stream.plan(bad, tokens=300, candidates=2, hidden=7168, device="h200")
     with pytest.raises(attnres.ArgumentError, match="stream_min_tokens must be an int"):
         stream.StreamOptions(1.5)
+
+
+@pytest.mark.parametrize("op,flags", [("attn_res_add_rmsnorm", {"add": True}),
+                                      ("attn_res_add_rmsnorm", {"add": True, "add2": True}),
+                                      ("attn_res_rmsnorm", {}), ("attn_res", {"diagnostics": True})])
+def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(op, flags):
+    """N <= 2, T >= 256, H > 4096 (one block fills an SM's registers), bf16: single_cta streaming, ahead of the
+    persistent kernel too; split_k below T = 256, for N >= 3, at H <= 4096 and with the FP8 epilogue."""
+    flags = {k: v for k, v in flags.items() if k != "diagnostics"}
+    def plan(T, N, H, **kw):
+        return attnres.plan(op, tokens=T, candidates=N, hidden=H, device="h200", **flags, **kw)
+    for T in (256, 1000, 4096, 16384):
+        for N in (1, 2):
+            p = plan(T, N, 7168)
+            assert p.kernel == "single_cta" and p.smem_bytes > 0, (T, N, p)
+        assert plan(T, 3, 7168).kernel in ("split_k", "persistent")
+        assert plan(T, 2, 4096).kernel in ("split_k", "persistent")
+    assert plan(255, 2, 7168).kernel == "split_k"
+    if op != "attn_res":
+        p = plan(4096, 2, 7168, fp8="per_token")
+        assert p.kernel in ("split_k", "persistent") and p.smem_bytes == 0, p
+    # N = 9 keeps the persistent kernel's rule (one addend, T >= 4096).
+    if flags == {"add": True}:
+        assert plan(4096, 9, 7168).kernel == "persistent"

@@ -75,12 +75,25 @@ std::string persistent_decline(const PlanQuery& q);
 // tokens than SMs (one block of a few hundred threads and up to 64 registers each fills an SM's registers, so
 // without streaming each SM runs its tokens one after the other, every one a full DRAM round trip); bf16 output
 // only, and only where the prefetch buffers fit the block's shared memory. Its shared memory, 0 when it does not.
-int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Options& o, const Plan& p) {
+int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t from = o.stream_min_tokens > 0 ? o.stream_min_tokens : int64_t{dev.sm_count} + 1;
   if (q.fp8 != Fp8Scales::none || q.tokens < from) return 0;
-  const int64_t bytes = tuning::stream_smem_bytes(p.max_candidates, q.add, q.add2, p.threads);
+  const int64_t bytes =
+      tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2, one_block_threads(q.hidden));
   if (bytes + tuning::kStreamStaticSharedBytes > dev.shared_memory_per_block_optin) return 0;
   return static_cast<int32_t>(bytes);
+}
+
+// single_cta holds a token's rows in one block's registers: one 16-byte vector per thread, N <= 4.
+bool single_cta_fits(const PlanQuery& q) {
+  return q.hidden / 8 <= tuning::kSingleCtaMaxThreads && q.candidates <= tuning::kSingleCtaMaxCandidates;
+}
+
+// The automatic per-token choice: the streaming single_cta where the H200 measured it faster
+// (tuning::prefer_single_cta) and where it streams; split_k otherwise.
+bool automatic_streams(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+  return single_cta_fits(q) && tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden) &&
+         stream_smem_bytes(q, dev, o) > 0;
 }
 
 // The blocks per SM of the persistent plan for the call: the knob when set, else two wherever that geometry
@@ -107,7 +120,8 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
   if (o.topology == Topology::automatic)
-    return tuning::automatic_prefers_persistent(q.tokens, q.add, persistent_blocks_per_sm(q, dev, o) == 2) &&
+    return !automatic_streams(q, dev, o) &&
+           tuning::automatic_prefers_persistent(q.tokens, q.add, persistent_blocks_per_sm(q, dev, o) == 2) &&
            persistent_decline(q).empty();
   return false;
 }
@@ -249,13 +263,10 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   }
 
   const int64_t vecs = q.hidden / 8;  // 16-byte vectors per row
-  const bool single_fits =
-      vecs <= tuning::kSingleCtaMaxThreads && q.candidates <= tuning::kSingleCtaMaxCandidates;
   KernelKind kernel = o.kernel;
   if (kernel == KernelKind::automatic)
-    kernel = (single_fits && tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden)) ? KernelKind::single_cta
-                                                                                        : KernelKind::split_k;
-  if (kernel == KernelKind::single_cta && !single_fits)
+    kernel = automatic_streams(q, dev, o) ? KernelKind::single_cta : KernelKind::split_k;
+  if (kernel == KernelKind::single_cta && !single_cta_fits(q))
     return declined("single_cta holds a token's rows in one block's registers: it needs H <= " +
                     std::to_string(tuning::kSingleCtaMaxThreads * 8) + " and N <= " +
                     std::to_string(tuning::kSingleCtaMaxCandidates) + " (use split_k)");
@@ -268,7 +279,7 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (kernel == KernelKind::single_cta) {
     p.cluster = 1;
     p.threads = one_block_threads(q.hidden);
-    p.smem_bytes = stream_smem_bytes(q, dev, o, p);
+    p.smem_bytes = stream_smem_bytes(q, dev, o);
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel

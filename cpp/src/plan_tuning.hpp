@@ -48,15 +48,22 @@ constexpr int32_t kPersistentMinSlots = 2;
 // Grid x is T * cluster blocks (< 2^31).
 constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;
 
-// single_cta vs split_k (automatic choice). Measured on the H200 (add2, H = 7168, CUDA-graph replay, cold
-// L2): split_k is faster at every point, N = 2 included (T = 1: 3.16 us vs 4.15 us; T = 8: 3.29 vs 4.28;
-// T = 32: 3.93 vs 4.50): one SM cannot keep a token's rows in flight as fast as 7-8 SMs do. single_cta
-// stays available by force (Options.kernel) for comparison.
+// single_cta vs split_k (automatic choice). Up to one token per SM, split_k is faster at every point measured on
+// the H200 (add2, H = 7168, CUDA-graph replay, cold L2), N = 2 included (T = 1: 3.16 us vs 4.15 us; T = 8: 3.29
+// vs 4.28; T = 32: 3.93 vs 4.50): one SM cannot keep a token's rows in flight as fast as 7-8 SMs do. With more
+// tokens than SMs single_cta streams (stream_slots above), and for N <= 2 (the bucket of 2) at H = 7168 that was
+// faster than split_k and the persistent kernel from T = 256 on (bench_results/h200_c5f5581_stream_ab.json, add,
+// us per call: T = 256 9.36 vs split_k 9.93; 1024: 27.9 vs 32.3; 4096: 95.2 vs 114.3 and persistent 114.7;
+// 16384: 352 vs 431 and 406; add2 at 4096: 106.6 vs 120.9), slower at T = 128 (5.97 vs 5.55, streaming
+// forced), and slower than split_k for N = 3, 4 at every T (the bucket of 4: 161.7 vs 145.0 at 4096). Taken
+// where one block fills an SM's registers (more than 512 threads: H > 4096), as at the measured H; the plan
+// keeps split_k where the streaming buffers do not fit (plan.cpp).
+constexpr int64_t kAutomaticStreamMinTokens = 256;
+constexpr int64_t kAutomaticStreamMaxCandidates = 2;
+constexpr int64_t kAutomaticStreamMinThreads = 513;
 inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden) {
-  (void)tokens;
-  (void)candidates;
-  (void)hidden;
-  return false;
+  return tokens >= kAutomaticStreamMinTokens && candidates <= kAutomaticStreamMaxCandidates &&
+         hidden / 8 >= kAutomaticStreamMinThreads;
 }
 
 // The streaming single_cta (cuda/attn_res_per_token.cuh, STREAM): min(T, resident) blocks loop over the tokens,

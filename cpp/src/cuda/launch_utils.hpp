@@ -61,7 +61,7 @@ void set_shared_params(Params& p, const AttnResArgs& a) {
 }
 
 // Dynamic shared memory above 48 KB must be opted into per kernel and device. Done once per (kernel, device) at
-// the device's full opt-in size (one value, so two threads racing here set the same thing), so every later
+// the device's full opt-in size less the kernel's static shared memory (one value, so two threads racing here set the same thing), so every later
 // launch of that kernel fits whatever the plan sizes; `max_carveout` also asks for the largest shared-memory
 // carveout (the driver picks the L1/shared split per launch, and one sized for a single block would leave a
 // second resident block without room). cudaFuncSetAttribute is neither a stream operation nor a
@@ -73,7 +73,11 @@ inline void opt_into_shared_memory(const void* kernel, int device, int optin_byt
   static std::set<std::pair<int, const void*>> done;
   std::lock_guard<std::mutex> lock(mutex);
   if (done.count({device, kernel})) return;
-  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, optin_bytes), what);
+  // The opt-in bounds static + dynamic shared memory: the dynamic part may take what the static arrays leave.
+  cudaFuncAttributes attributes{};
+  cuda_check(cudaFuncGetAttributes(&attributes, kernel), what);
+  const int dynamic = optin_bytes - static_cast<int>(attributes.sharedSizeBytes);
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic), what);
   if (max_carveout)
     cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                     cudaSharedmemCarveoutMaxShared),
