@@ -11,8 +11,8 @@ entry and then spins for ~2 ms, longer than the host takes to launch the rest of
 the writer after it is resident early and waits on it for a long time. The writer (the per-token add op with
 a snapshot write) writes bank row S only after that wait; zero, one or two fillers (per-token, persistent,
 moe_finalize, the streaming single_cta or plain PyTorch kernels, on data of their own) follow; then a reader
-(split_k, the persistent kernel, or the streaming single_cta on rows S-2..S+1) mixes the writer's tokens, with
-row S among its
+(split_k on rows 0..S+1, the persistent kernel on S-3..S+1, the streaming single_cta on S-2..S+1) mixes the
+writer's tokens, with row S among its
 pre-wait rows (its newest row, loaded after the wait, when no filler is between). Row S is poisoned before
 every run. With every release after the wait, the reader's pre-wait section starts only after the writer has
 completed, and its output equals, bit for bit, the same reader run on the settled bank with PDL off. A kernel
@@ -132,7 +132,10 @@ class Chain:
             opts = attnres.Options(kernel="split_k", pdl=pdl)
             return attnres.attn_res_add_rmsnorm(self.reader_prefix, self.reader_add, bank, self.res_w, self.rms_w,
                                                 self.norm_w, 1e-5, 1e-5, options=opts)[1]
+        # Four rows: the persistent kernel copies bank rows before its wait only into ring slots never used yet
+        # (7 at H = 7168, two blocks per SM), so row S must be among its first rows to be read before the wait.
         opts = attnres.Options(topology="persistent", pdl=pdl)
+        bank = self.reader_bank(newest_is_s, rows=4)
         return attnres.attn_res_add_rmsnorm_persistent(self.reader_prefix, bank, self.res_w, self.rms_w, self.norm_w,
                                                        1e-5, 1e-5, layer_residual_add=self.reader_add,
                                                        options=opts)[1]

@@ -13,8 +13,9 @@ KERNELS = ("auto", "cpu", "single_cta", "split_k", "persistent")
 
 @dataclass(frozen=True)
 class Options:
-    # auto (default): per-token up to the measured crossover, persistent above where it supports the call (the
-    # same bits either way); per_token | persistent force one family; split: per-token up to split_max_tokens
+    # auto (default): the kernel the H200 measured fastest for the call (split_k, the streaming single_cta for
+    # N <= 2 at T >= 256, persistent for one addend at T >= 4096; the same bits either way); per_token |
+    # persistent force one family; split: per-token up to split_max_tokens
     topology: str = "auto"
     # topology "split": per-token kernels up to this T, persistent above (the default is the C++ library's)
     split_max_tokens: int = _C.Options().split_max_tokens

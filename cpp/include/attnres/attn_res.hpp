@@ -69,9 +69,10 @@ const char* topology_name(Topology topology);
 
 // Options come in as arguments; the library reads no environment variable.
 struct Options {
-  // automatic (default): the persistent kernel where the H200 measured it faster (plan_tuning.hpp
-  // automatic_prefers_persistent: one addend, T >= 4096, and the persistent plan for the call on two blocks per
-  // SM) and where it supports the call (no add2, tap or snapshot write), else the per-token kernels at any T. Every CUDA kernel gives the same bits
+  // automatic (default): where the H200 measured them faster, the streaming single_cta (plan_tuning.hpp
+  // prefer_single_cta: N <= 2, T >= 256, H > 4096, bf16) and the persistent kernel (automatic_prefers_persistent:
+  // one addend, T >= 4096, and the persistent plan for the call on two blocks per SM, where it supports the call:
+  // no add2, tap or snapshot write), else split_k at any T. Every CUDA kernel gives the same bits
   // (docs/ops/common.md section 8), so the choice never changes a result. per_token / persistent force one
   // family; split: per-token up to split_max_tokens, persistent above (declining what it cannot do).
   Topology topology = Topology::automatic;
