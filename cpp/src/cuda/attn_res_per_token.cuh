@@ -21,6 +21,11 @@
 //     split_k's; the persistent kernel reproduces the same order (attn_res_persistent.cuh).
 //   * split_k exchanges partial sums by pushing them into every peer's shared memory (st.async completing
 //     on the peer's mbarrier): each block waits on its own mbarrier, never on a cluster-wide barrier.
+//   * STREAM (single_cta with more tokens than SMs, bf16): the grid holds as many blocks as are resident and
+//     each loops over the tokens b, b + gridDim.x, ...; a thread copies its vectors of the next token's rows
+//     into shared memory (cp.async, two buffers) while the block reduces the current token, and reads them
+//     back into the same registers, so every token runs the one-block instructions (one phase) and the bits
+//     are single_cta's. Only the first token's bank rows 0..K-2 are copied before the wait.
 //   * PDL release: dependents are released (griddepcontrol.launch_dependents) right after the block's
 //     griddepcontrol.wait, not after its last store. Why that is safe (docs/ops/pdl.md has the long form):
 //     launch_dependents gives a dependent no memory visibility, whatever its position: a dependent's
