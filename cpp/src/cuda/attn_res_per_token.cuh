@@ -109,6 +109,26 @@ __device__ __forceinline__ float chunked_sum(const float* base, int stride, int 
   return s;
 }
 
+// chunked_sum over all MAX slots, with no index clamp or mask: for arrays whose slots past the block's warps hold
+// +0 (the STREAM instances zero them once). Adding +0 is what chunked_sum's mask does, so the bits are the same;
+// the shorter code matters where one warp sums while the block waits at the next barrier.
+template <int MAX>
+__device__ __forceinline__ float chunked_sum_padded(const float* base, int stride) {
+  static_assert(MAX % kChunkWarps == 0, "whole chunks");
+  float v[MAX];
+#pragma unroll
+  for (int i = 0; i < MAX; ++i) v[i] = base[i * stride];
+  float s = 0.0f;
+#pragma unroll
+  for (int c = 0; c < MAX / kChunkWarps; ++c) {
+    float chunk = 0.0f;
+#pragma unroll
+    for (int k = 0; k < kChunkWarps; ++k) chunk += v[c * kChunkWarps + k];
+    s += chunk;
+  }
+  return s;
+}
+
 // The power of two (>= 4, <= 32) that holds `values` values: a warp_reduce_scatter's width.
 constexpr int scatter_width(int values) { return values <= 4 ? 4 : values <= 8 ? 8 : values <= 16 ? 16 : 32; }
 
@@ -332,6 +352,11 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   if constexpr (STREAM) {
     stream_copy(token, 0, false, true);
     cp_async_commit();
+    // The per-warp slots of warps this block does not have hold +0 for chunked_sum_padded (written once; the
+    // first token's first barrier orders them before any read).
+    for (int i = tid; i < kMaxWarps * 2 * NMAX; i += blockDim.x)
+      if (i / (2 * NMAX) >= warps) warp_part[i / (2 * NMAX)][i % (2 * NMAX)] = 0.0f;
+    if (tid < kMaxWarps && tid >= warps) warp_sq[tid] = 0.0f;
   }
 
   // ---- the candidates' (sum of squares, dot with q), reduced over the token in two phases ----
@@ -545,6 +570,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
       if constexpr (EXCHANGE) {
         for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
       }
+    } else if constexpr (STREAM) {
+      if (late_value) totals[tid] = chunked_sum_padded<kMaxWarps>(&warp_part[0][tid], kValues);
     } else {
       if (late_value) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
     }
@@ -648,7 +675,11 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
         mbarrier_wait_parity(shared_address(&bars[1]), 0);
         total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
       } else {
-        if (tid == 0) block_sq = chunked_sum<kMaxWarps>(warp_sq, 1, warps);
+        if constexpr (STREAM) {
+          if (tid == 0) block_sq = chunked_sum_padded<kMaxWarps>(warp_sq, 1);
+        } else {
+          if (tid == 0) block_sq = chunked_sum<kMaxWarps>(warp_sq, 1, warps);
+        }
         __syncthreads();
         total = block_sq;
       }
