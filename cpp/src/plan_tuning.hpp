@@ -55,7 +55,9 @@ constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;
 // faster than split_k and the persistent kernel from T = 256 on (bench_results/h200_c5f5581_stream_ab.json, add,
 // us per call: T = 256 9.36 vs split_k 9.93; 1024: 27.9 vs 32.3; 4096: 95.2 vs 114.3 and persistent 114.7;
 // 16384: 352 vs 431 and 406; add2 at 4096: 106.6 vs 120.9), slower at T = 128 (5.97 vs 5.55, streaming
-// forced), and slower than split_k for N = 3, 4 at every T (the bucket of 4: 161.7 vs 145.0 at 4096). Taken
+// forced), and slower than split_k for N = 3, 4 at every T (the bucket of 4: 161.7 vs 145.0 at 4096). With the
+// padded block sums (bench_results/h200_1b20642_stream_padded_ab.txt): 86.6 vs split_k 114.1 us at T = 4096, N = 2,
+// 8.74 vs 9.97 at T = 256, and level in the bucket of 4 (143.1 vs 141.0 at T = 4096, N = 4). Taken
 // where one block fills an SM's registers (more than 512 threads: H > 4096), as at the measured H; the plan
 // keeps split_k where the streaming buffers do not fit (plan.cpp).
 constexpr int64_t kAutomaticStreamMinTokens = 256;
