@@ -184,7 +184,11 @@ SitePlans plan_site(const char* op, const AllReduceArgs& ar, AllReduceSite site,
   SitePlans s;
   s.ar = plan_all_reduce(ar, ar_options);
   if (!s.ar.accepted()) return s;
-  s.attn = plan(AttnResOp::attn_res_add_rmsnorm, attn, attn_options);
+  // The one-kernel design has no streaming instance (cuda/all_reduce_attn_res_kernel.cu): a site that asks for it
+  // plans the per-token kernels without streaming (split_k where the plain op would stream).
+  Options site_options = attn_options;
+  if (ar_options.design == AllReduceDesign::one_kernel) site_options.stream_min_tokens = tuning::kNeverStream;
+  s.attn = plan(AttnResOp::attn_res_add_rmsnorm, attn, site_options);
   s.ar = choose_all_reduce_design(s.ar, s.attn, attn.fp8, ar_options.design, attn.layer_residual.shape[0],
                                   attn.block_residual.shape[0] + 1, attn.layer_residual.shape[1],
                                   ar.comm.world_size);

@@ -77,6 +77,8 @@ constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
 constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t threads) {
   return int64_t{2} * stream_slots(bucket, add, add2) * threads * 16;
 }
+// Options::stream_min_tokens that no call reaches (the one-kernel all-reduce site plans with it).
+constexpr int64_t kNeverStream = kMaxTokensPerLaunch + 1;
 // What the plan leaves of the block's shared memory for the kernel's static arrays (~1.3 KB in the one-block
 // instances of buckets 2 and 4: the per-warp partial sums).
 constexpr int64_t kStreamStaticSharedBytes = 4096;
