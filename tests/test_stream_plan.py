@@ -74,11 +74,10 @@ def test_the_knob_is_validated(bad):
 
 @pytest.mark.parametrize("op,flags", [("attn_res_add_rmsnorm", {"add": True}),
                                       ("attn_res_add_rmsnorm", {"add": True, "add2": True}),
-                                      ("attn_res_rmsnorm", {}), ("attn_res", {"diagnostics": True})])
+                                      ("attn_res_rmsnorm", {}), ("attn_res", {})])
 def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(op, flags):
     """N <= 2, T >= 256, H > 4096 (one block fills an SM's registers), bf16: single_cta streaming, ahead of the
     persistent kernel too; split_k below T = 256, for N >= 3, at H <= 4096 and with the FP8 epilogue."""
-    flags = {k: v for k, v in flags.items() if k != "diagnostics"}
     def plan(T, N, H, **kw):
         return attnres.plan(op, tokens=T, candidates=N, hidden=H, device="h200", **flags, **kw)
     for T in (256, 1000, 4096, 16384):

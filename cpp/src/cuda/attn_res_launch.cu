@@ -19,16 +19,17 @@ namespace {
 using KernelFn = void (*)(PerTokenParams);
 
 // CLUSTER = false serves single_cta (planned for N <= 4: a 1024-thread block has 64 registers per thread, and the
-// N <= 8 instance spilled 160 bytes) and split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
-template <bool CLUSTER, Fp8Mode F>
+// N <= 8 instance spilled 160 bytes) and split_k's one-block clusters (<= 256 threads, kMaxThreadsOf). STREAM: the
+// streaming single_cta (CLUSTER = false, bf16 only).
+template <bool CLUSTER, Fp8Mode F, bool STREAM = false>
 KernelFn by_mode(Mode mode, int max_candidates) {
   switch (mode) {
     case Mode::mix:
-      if constexpr (F == Fp8Mode::none) return per_token_instance<Mode::mix, CLUSTER, F>(max_candidates);
+      if constexpr (F == Fp8Mode::none) return per_token_instance<Mode::mix, CLUSTER, F, false, STREAM>(max_candidates);
       return nullptr;  // attn_res has no normed output (validated)
-    case Mode::norm: return per_token_instance<Mode::norm, CLUSTER, F>(max_candidates);
-    case Mode::add: return per_token_instance<Mode::add, CLUSTER, F>(max_candidates);
-    case Mode::add2: return per_token_instance<Mode::add2, CLUSTER, F>(max_candidates);
+    case Mode::norm: return per_token_instance<Mode::norm, CLUSTER, F, false, STREAM>(max_candidates);
+    case Mode::add: return per_token_instance<Mode::add, CLUSTER, F, false, STREAM>(max_candidates);
+    case Mode::add2: return per_token_instance<Mode::add2, CLUSTER, F, false, STREAM>(max_candidates);
   }
   return nullptr;
 }
@@ -90,22 +91,13 @@ Mode mode_of(AttnResOp op, const AttnResArgs& a) {
   return a.layer_residual_add2.present() ? Mode::add2 : Mode::add;
 }
 
-KernelFn stream_by_mode(Mode mode, int max_candidates) {
-  switch (mode) {
-    case Mode::mix: return stream_instance<Mode::mix>(max_candidates);
-    case Mode::norm: return stream_instance<Mode::norm>(max_candidates);
-    case Mode::add: return stream_instance<Mode::add>(max_candidates);
-    case Mode::add2: return stream_instance<Mode::add2>(max_candidates);
-  }
-  return nullptr;
-}
-
 // The streaming single_cta (plan.smem_bytes > 0): as many blocks as are resident on the device (never more than
 // T), each looping over the tokens blockIdx.x, + gridDim.x, ... with the next token's rows prefetched into the
 // plan's shared memory.
 void launch_stream(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const Mode mode = mode_of(op, a);
-  const KernelFn kernel = a.fp8 == Fp8Scales::none ? stream_by_mode(mode, plan.max_candidates) : nullptr;
+  const KernelFn kernel =
+      a.fp8 == Fp8Scales::none ? by_mode<false, Fp8Mode::none, true>(mode, plan.max_candidates) : nullptr;
   const PerTokenParams params = make_per_token_params(a, plan);
   if (kernel == nullptr || plan.cluster != 1 ||
       plan.smem_bytes != tuning::stream_smem_bytes(plan.max_candidates, mode == Mode::add || mode == Mode::add2,

@@ -92,38 +92,22 @@ __device__ __forceinline__ float ordered_sum(const float* base, int stride, int 
 // split_k's two-level order inside one block: the warps of each kChunkWarps-warp chunk in order from +0, then the
 // chunks in order from +0 (what a cluster of one block per chunk computes with ordered_sum twice). Past `count`
 // every term is +0, which changes no sum that started at +0. Shorter than ordered_sum's one chain of MAX adds.
-template <int MAX>
+// PADDED: every one of the MAX slots holds a value, +0 past `count` (the STREAM instances zero those slots once),
+// so no index clamp or mask is needed: the same terms, the same bits, and ~120 instructions fewer at MAX = 32
+// where one warp sums while the block waits at the next barrier.
+template <int MAX, bool PADDED = false>
 __device__ __forceinline__ float chunked_sum(const float* base, int stride, int count) {
   static_assert(MAX % kChunkWarps == 0, "whole chunks");
   float v[MAX];
 #pragma unroll
-  for (int i = 0; i < MAX; ++i) v[i] = base[(i < count ? i : 0) * stride];
+  for (int i = 0; i < MAX; ++i) v[i] = base[(PADDED || i < count ? i : 0) * stride];
   float s = 0.0f;
 #pragma unroll
   for (int c = 0; c < MAX / kChunkWarps; ++c) {
     float chunk = 0.0f;
 #pragma unroll
-    for (int k = 0; k < kChunkWarps; ++k) chunk += c * kChunkWarps + k < count ? v[c * kChunkWarps + k] : 0.0f;
-    s += chunk;
-  }
-  return s;
-}
-
-// chunked_sum over all MAX slots, with no index clamp or mask: for arrays whose slots past the block's warps hold
-// +0 (the STREAM instances zero them once). Adding +0 is what chunked_sum's mask does, so the bits are the same;
-// the shorter code matters where one warp sums while the block waits at the next barrier.
-template <int MAX>
-__device__ __forceinline__ float chunked_sum_padded(const float* base, int stride) {
-  static_assert(MAX % kChunkWarps == 0, "whole chunks");
-  float v[MAX];
-#pragma unroll
-  for (int i = 0; i < MAX; ++i) v[i] = base[i * stride];
-  float s = 0.0f;
-#pragma unroll
-  for (int c = 0; c < MAX / kChunkWarps; ++c) {
-    float chunk = 0.0f;
-#pragma unroll
-    for (int k = 0; k < kChunkWarps; ++k) chunk += v[c * kChunkWarps + k];
+    for (int k = 0; k < kChunkWarps; ++k)
+      chunk += PADDED || c * kChunkWarps + k < count ? v[c * kChunkWarps + k] : 0.0f;
     s += chunk;
   }
   return s;
@@ -352,7 +336,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   if constexpr (STREAM) {
     stream_copy(token, 0, false, true);
     cp_async_commit();
-    // The per-warp slots of warps this block does not have hold +0 for chunked_sum_padded (written once; the
+    // The per-warp slots of warps this block does not have hold +0 for chunked_sum<.., PADDED> (written once; the
     // first token's first barrier orders them before any read).
     for (int i = tid; i < kMaxWarps * 2 * NMAX; i += blockDim.x)
       if (i / (2 * NMAX) >= warps) warp_part[i / (2 * NMAX)][i % (2 * NMAX)] = 0.0f;
@@ -570,10 +554,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
       if constexpr (EXCHANGE) {
         for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
       }
-    } else if constexpr (STREAM) {
-      if (late_value) totals[tid] = chunked_sum_padded<kMaxWarps>(&warp_part[0][tid], kValues);
     } else {
-      if (late_value) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
+      if (late_value) totals[tid] = chunked_sum<kMaxWarps, STREAM>(&warp_part[0][tid], kValues, warps);
     }
     __syncthreads();
     if constexpr (EXCHANGE) {
@@ -675,11 +657,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
         mbarrier_wait_parity(shared_address(&bars[1]), 0);
         total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
       } else {
-        if constexpr (STREAM) {
-          if (tid == 0) block_sq = chunked_sum_padded<kMaxWarps>(warp_sq, 1);
-        } else {
-          if (tid == 0) block_sq = chunked_sum<kMaxWarps>(warp_sq, 1, warps);
-        }
+        if (tid == 0) block_sq = chunked_sum<kMaxWarps, STREAM>(warp_sq, 1, warps);
         __syncthreads();
         total = block_sq;
       }
@@ -713,30 +691,26 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // mbarrier waits returned, and it pushes nothing after them.
 }
 
+// The instance of bucket NMAX, or nullptr where none is built: STREAM exists for single_cta's buckets only.
+template <int NMAX, Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE, bool STREAM>
+constexpr auto per_token_kernel_or_null() -> void (*)(PerTokenParamsOf<EXCHANGE>) {
+  if constexpr (STREAM && NMAX > kSingleCtaMaxCandidates) return nullptr;
+  else return attn_res_per_token_kernel<NMAX, M, CLUSTER, F, EXCHANGE, STREAM>;
+}
+
 // The instance for N bucket `max_candidates` (nullptr for none), one case per entry of kCandidateBuckets
 // (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. Used by the
-// plain op's launcher (cuda/attn_res_launch.cu) and the one-kernel all-reduce site's (EXCHANGE,
-// cuda/all_reduce_attn_res_kernel.cu).
-template <Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE = false>
+// plain op's launcher (cuda/attn_res_launch.cu; STREAM: the streaming single_cta) and the one-kernel all-reduce
+// site's (EXCHANGE, cuda/all_reduce_attn_res_kernel.cu).
+template <Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE = false, bool STREAM = false>
 auto per_token_instance(int max_candidates) -> void (*)(PerTokenParamsOf<EXCHANGE>) {
   static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
   switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F, EXCHANGE>;
-    default: return nullptr;
-  }
-}
-
-// The streaming single_cta's instance for N bucket `max_candidates`: single_cta's buckets (N <= 4), bf16 output.
-template <Mode M>
-auto stream_instance(int max_candidates) -> void (*)(PerTokenParams) {
-  static_assert(kCandidateBuckets[1] == kSingleCtaMaxCandidates, "single_cta's buckets are the first two");
-  switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, false, Fp8Mode::none, false, true>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, false, Fp8Mode::none, false, true>;
+    case kCandidateBuckets[0]: return per_token_kernel_or_null<kCandidateBuckets[0], M, CLUSTER, F, EXCHANGE, STREAM>();
+    case kCandidateBuckets[1]: return per_token_kernel_or_null<kCandidateBuckets[1], M, CLUSTER, F, EXCHANGE, STREAM>();
+    case kCandidateBuckets[2]: return per_token_kernel_or_null<kCandidateBuckets[2], M, CLUSTER, F, EXCHANGE, STREAM>();
+    case kCandidateBuckets[3]: return per_token_kernel_or_null<kCandidateBuckets[3], M, CLUSTER, F, EXCHANGE, STREAM>();
+    case kCandidateBuckets[4]: return per_token_kernel_or_null<kCandidateBuckets[4], M, CLUSTER, F, EXCHANGE, STREAM>();
     default: return nullptr;
   }
 }
