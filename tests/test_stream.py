@@ -1,6 +1,6 @@
 """The streaming single_cta (all CUDA-only, skipped elsewhere): min(T, resident) blocks loop over the tokens,
 each prefetching its next token's rows into shared memory while it reduces the current one
-(cpp/src/cuda/attn_res_per_token.cuh, STREAM; docs/ops/common.md).
+(cpp/src/cuda/attn_res_stream.cuh; docs/ops/common.md).
 
 A token's bits must not depend on how the tokens are spread over the blocks: checked against split_k (the
 reference order) and the float64 oracle at T below, at and above the grid (a block runs 1, 2 or 3+ tokens;

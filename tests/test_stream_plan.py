@@ -14,9 +14,9 @@ SMS = 132
 OPTIN = 232448
 
 
-def _bytes(bucket: int, add: bool, add2: bool, threads: int) -> int:
+def _bytes(bucket: int, add: bool, add2: bool, lanes: int) -> int:
     slots = bucket + add + add2  # bank rows 0..bucket-2, the prefix, the addends
-    return 2 * slots * threads * 16
+    return 2 * slots * lanes * 16  # two buffers, a 16-byte vector per lane (the one-block layout's threads)
 
 
 @pytest.mark.parametrize("N,bucket", [(1, 2), (2, 2), (3, 4), (4, 4)])
@@ -25,13 +25,26 @@ def test_single_cta_streams_past_one_token_per_sm(N, bucket, add, add2):
     H = 7168
     for T, streams in ((1, False), (SMS, False), (SMS + 1, True), (16384, True)):
         p = stream.plan(0, tokens=T, candidates=N, hidden=H, add=add, add2=add2, device="h200")
-        assert p.kernel == "single_cta" and p.threads == 896, p
+        # Streaming: two of the one-block layout's 896 lanes (vectors) per thread.
+        assert p.kernel == "single_cta" and p.threads == (448 if streams else 896), p
+        assert p.vectors == (2 if streams else 0), p
         assert p.smem_bytes == (_bytes(bucket, add, add2, 896) if streams else 0), (T, p)
     # The public plan reports the same (attnres.plan, kernel forced).
     op = "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
     p = attnres.plan(op, tokens=SMS + 1, candidates=N, hidden=H, device="h200", add=add, add2=add2,
                      options=attnres.Options(kernel="single_cta"))
     assert p.smem_bytes == _bytes(bucket, add, add2, 896), p
+
+
+@pytest.mark.parametrize("H,lanes,threads", [(768, 96, 64), (1024, 128, 64), (6912, 896, 448), (7176, 1024, 512)])
+def test_the_streaming_block_is_half_the_one_block_layout(H, lanes, threads):
+    """Whole warps of two lanes per thread: an odd count of the layout's warps gets one more warp of lanes (that
+    owns no vector), and the buffers hold every lane."""
+    p = stream.plan(stream.ALWAYS, tokens=1000, candidates=2, hidden=H, add=True, device="h200")
+    assert p.kernel == "single_cta" and p.threads == threads and p.vectors == 2, p
+    assert p.smem_bytes == _bytes(2, True, False, 2 * threads), p
+    assert attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=2, hidden=H, device="h200", add=True,
+                        options=attnres.Options(kernel="single_cta")).threads == lanes
 
 
 def test_the_knob_moves_the_bound():
@@ -46,9 +59,10 @@ def test_no_streaming_for_fp8_or_buffers_that_do_not_fit():
     p = attnres.plan("attn_res_add_rmsnorm", tokens=1000, candidates=4, hidden=7168, device="h200", add=True,
                      fp8="block128", options=attnres.Options(kernel="single_cta"))
     assert p.kernel == "single_cta" and p.smem_bytes == 0, p
-    # H = 8192 (1024 threads), bucket 4, two addends: 2 x 6 x 1024 x 16 = 196,608 B + the static arrays fit.
+    # H = 8192 (1024 lanes, 512 threads), bucket 4, two addends: 2 x 6 x 1024 x 16 = 196,608 B + the static arrays
+    # fit.
     p = stream.plan(0, tokens=1000, candidates=4, hidden=8192, add2=True, device="h200")
-    assert p.smem_bytes == 196608, p
+    assert p.smem_bytes == 196608 and p.threads == 512, p
     # A device with less shared memory per block: the buffers do not fit, single_cta runs one token per block.
     small = {"cc_major": 9, "cc_minor": 0, "sm_count": SMS, "shared_memory_per_block_optin": 100 * 1024}
     p = stream.plan(0, tokens=1000, candidates=4, hidden=8192, add2=True, device=small)

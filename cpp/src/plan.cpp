@@ -71,15 +71,20 @@ int32_t one_block_threads(int64_t hidden) {
 
 std::string persistent_decline(const PlanQuery& q);
 
-// single_cta streams (cuda/attn_res_per_token.cuh, STREAM) from the knob's T on, by default once there are more
-// tokens than SMs (one block of a few hundred threads and up to 64 registers each fills an SM's registers, so
-// without streaming each SM runs its tokens one after the other, every one a full DRAM round trip); bf16 output
-// only, and only where the prefetch buffers fit the block's shared memory. Its shared memory, 0 when it does not.
+// The streaming single_cta's block: the one-block layout's threads, tuning::kStreamVectors of them per thread.
+int32_t stream_threads(int64_t hidden) {
+  return round_up(one_block_threads(hidden), 32 * tuning::kStreamVectors) / tuning::kStreamVectors;
+}
+
+// single_cta streams (cuda/attn_res_stream.cuh) from the knob's T on, by default once there are more tokens than
+// SMs (one block of a few hundred threads and up to 64 registers each fills an SM's registers, so without
+// streaming each SM runs its tokens one after the other, every one a full DRAM round trip); bf16 output only,
+// and only where the prefetch buffers fit the block's shared memory. Its shared memory, 0 when it does not.
 int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t from = o.stream_min_tokens > 0 ? o.stream_min_tokens : int64_t{dev.sm_count} + 1;
   if (q.fp8 != Fp8Scales::none || q.tokens < from) return 0;
   const int64_t bytes =
-      tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2, one_block_threads(q.hidden));
+      tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2, stream_threads(q.hidden));
   if (bytes + tuning::kStreamStaticSharedBytes > dev.shared_memory_per_block_optin) return 0;
   return static_cast<int32_t>(bytes);
 }
@@ -278,8 +283,9 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   p.max_candidates = tuning::candidate_bucket(q.candidates);
   if (kernel == KernelKind::single_cta) {
     p.cluster = 1;
-    p.threads = one_block_threads(q.hidden);
     p.smem_bytes = stream_smem_bytes(q, dev, o);
+    p.threads = p.smem_bytes > 0 ? stream_threads(q.hidden) : one_block_threads(q.hidden);
+    p.vectors = p.smem_bytes > 0 ? tuning::kStreamVectors : 1;
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel

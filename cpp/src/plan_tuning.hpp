@@ -68,14 +68,17 @@ inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden
          hidden / 8 >= kAutomaticStreamMinThreads;
 }
 
-// The streaming single_cta (cuda/attn_res_per_token.cuh, STREAM): min(T, resident) blocks loop over the tokens,
+// The streaming single_cta (cuda/attn_res_stream.cuh): min(T, resident) blocks loop over the tokens,
 // each prefetching its next token's rows into shared memory (cp.async) while it reduces the current one. Per
 // buffer, slots 0 .. bucket - 2 hold the bank rows, slot bucket - 1 the prefix, then the addends; two buffers.
 constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
   return bucket + (add ? 1 : 0) + (add2 ? 1 : 0);
 }
+// The 16-byte vectors of a row each of its threads owns: the lanes of single_cta's one-block layout per thread.
+constexpr int32_t kStreamVectors = 2;
+// The buffers' bytes for a block of `threads` threads (kStreamVectors lanes each).
 constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t threads) {
-  return int64_t{2} * stream_slots(bucket, add, add2) * threads * 16;
+  return int64_t{2} * stream_slots(bucket, add, add2) * threads * kStreamVectors * 16;
 }
 // Options::stream_min_tokens that no call reaches (the one-kernel all-reduce site plans with it).
 constexpr int64_t kNeverStream = kMaxTokensPerLaunch + 1;

@@ -3,8 +3,8 @@ that hold the streaming kernel to split_k's bits at every T. Private: not part o
 torch.ops schemas.
 
 single_cta streams from T = min_tokens on: min(T, resident) blocks loop over the tokens, each prefetching its
-next token's rows into shared memory while it reduces the current one (cpp/src/cuda/attn_res_per_token.cuh,
-STREAM). 0 keeps the plan's bound (more tokens than SMs); ALWAYS streams at every T, NEVER at none. The knob
+next token's rows into shared memory while it reduces the current one (cpp/src/cuda/attn_res_stream.cuh).
+0 keeps the plan's bound (more tokens than SMs); ALWAYS streams at every T, NEVER at none. The knob
 changes no bit: the streaming kernel runs single_cta's arithmetic on every token. A negative value raises
 attnres.ArgumentError (naming the op and the knob)."""
 
@@ -45,7 +45,8 @@ def plan(min_tokens: int, op: str = "attn_res_add_rmsnorm", *, tokens: int, cand
     if not p.accepted:
         return PlanInfo(kernel=None, decline=p.decline)
     return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
-                    max_candidates=p.max_candidates, pdl=p.pdl, smem_bytes=p.smem_bytes)
+                    max_candidates=p.max_candidates, pdl=p.pdl, smem_bytes=p.smem_bytes,
+                    vectors=p.vectors if p.smem_bytes > 0 else 0)
 
 
 def attn_res_add_rmsnorm(min_tokens: int, layer_residual: Tensor, layer_residual_add: Tensor, block_residual: Tensor,

@@ -126,7 +126,8 @@ struct Plan {
   int32_t slots = 0;
   int32_t passes = 0;
   // persistent: the ring. single_cta: > 0 when it streams (the tokens' prefetch buffers; the launcher runs as many
-  // blocks as are resident, never more than T, each looping over the tokens blockIdx.x, + gridDim.x, ...).
+  // blocks as are resident, never more than T, each looping over the tokens blockIdx.x, + gridDim.x, ..., and each
+  // thread owns `vectors` slices).
   int32_t smem_bytes = 0;
 
   bool accepted() const { return decline.empty(); }

@@ -19,17 +19,16 @@ namespace {
 using KernelFn = void (*)(PerTokenParams);
 
 // CLUSTER = false serves single_cta (planned for N <= 4: a 1024-thread block has 64 registers per thread, and the
-// N <= 8 instance spilled 160 bytes) and split_k's one-block clusters (<= 256 threads, kMaxThreadsOf). STREAM: the
-// streaming single_cta (CLUSTER = false, bf16 only).
-template <bool CLUSTER, Fp8Mode F, bool STREAM = false>
+// N <= 8 instance spilled 160 bytes) and split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
+template <bool CLUSTER, Fp8Mode F>
 KernelFn by_mode(Mode mode, int max_candidates) {
   switch (mode) {
     case Mode::mix:
-      if constexpr (F == Fp8Mode::none) return per_token_instance<Mode::mix, CLUSTER, F, false, STREAM>(max_candidates);
+      if constexpr (F == Fp8Mode::none) return per_token_instance<Mode::mix, CLUSTER, F>(max_candidates);
       return nullptr;  // attn_res has no normed output (validated)
-    case Mode::norm: return per_token_instance<Mode::norm, CLUSTER, F, false, STREAM>(max_candidates);
-    case Mode::add: return per_token_instance<Mode::add, CLUSTER, F, false, STREAM>(max_candidates);
-    case Mode::add2: return per_token_instance<Mode::add2, CLUSTER, F, false, STREAM>(max_candidates);
+    case Mode::norm: return per_token_instance<Mode::norm, CLUSTER, F>(max_candidates);
+    case Mode::add: return per_token_instance<Mode::add, CLUSTER, F>(max_candidates);
+    case Mode::add2: return per_token_instance<Mode::add2, CLUSTER, F>(max_candidates);
   }
   return nullptr;
 }
@@ -83,54 +82,9 @@ PerTokenParams make_per_token_params(const AttnResArgs& a, const Plan& plan) {
   return p;
 }
 
-namespace {
-
-Mode mode_of(AttnResOp op, const AttnResArgs& a) {
-  if (op == AttnResOp::attn_res) return Mode::mix;
-  if (!a.layer_residual_add.present()) return Mode::norm;
-  return a.layer_residual_add2.present() ? Mode::add2 : Mode::add;
-}
-
-// The streaming single_cta (plan.smem_bytes > 0): as many blocks as are resident on the device (never more than
-// T), each looping over the tokens blockIdx.x, + gridDim.x, ... with the next token's rows prefetched into the
-// plan's shared memory.
-void launch_stream(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
-  const Mode mode = mode_of(op, a);
-  const KernelFn kernel =
-      a.fp8 == Fp8Scales::none ? by_mode<false, Fp8Mode::none, true>(mode, plan.max_candidates) : nullptr;
-  const PerTokenParams params = make_per_token_params(a, plan);
-  if (kernel == nullptr || plan.cluster != 1 ||
-      plan.smem_bytes != tuning::stream_smem_bytes(plan.max_candidates, mode == Mode::add || mode == Mode::add2,
-                                                   mode == Mode::add2, plan.threads))
-    throw UnsupportedError(std::string(op_name(op)) + ": no streaming single_cta instance for the plan (N bucket " +
-                           std::to_string(plan.max_candidates) + ", " + std::to_string(plan.smem_bytes) +
-                           " bytes of shared memory)");
-  const int device = a.layer_residual.device.index;
-  DeviceGuard guard(device);
-  const DeviceInfo dev = query_device(a.layer_residual.device);  // cached
-  if (plan.smem_bytes > dev.shared_memory_per_block_optin)
-    throw UnsupportedError(std::string(op_name(op)) + ": the plan's " + std::to_string(plan.smem_bytes) +
-                           " bytes of shared memory exceed the device's " +
-                           std::to_string(dev.shared_memory_per_block_optin));
-  const void* fn = reinterpret_cast<const void*>(kernel);
-  opt_into_shared_memory(fn, device, dev.shared_memory_per_block_optin, false,
-                         "cudaFuncSetAttribute(streaming single_cta, shared memory)");
-  const int resident = resident_blocks(fn, device, plan.threads, plan.smem_bytes,
-                                       "cudaOccupancyMaxActiveBlocksPerMultiprocessor(streaming single_cta)");
-  if (resident < 1)
-    throw UnsupportedError(std::string(op_name(op)) + ": a streaming single_cta block of " +
-                           std::to_string(plan.threads) + " threads and " + std::to_string(plan.smem_bytes) +
-                           " bytes of shared memory does not fit an SM");
-  const int64_t blocks = std::min<int64_t>(params.tokens, static_cast<int64_t>(std::max(dev.sm_count, 1)) * resident);
-  launch_kernel(kernel, params, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(plan.threads)),
-                static_cast<size_t>(plan.smem_bytes), static_cast<cudaStream_t>(a.stream), 1, plan.pdl,
-                "attn_res streaming kernel launch");
-}
-
-}  // namespace
 
 void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
-  if (plan.kernel == KernelKind::single_cta && plan.smem_bytes > 0) return launch_stream(op, a, plan);
+  if (plan.kernel == KernelKind::single_cta && plan.smem_bytes > 0) return launch_attn_res_stream(op, a, plan);
   // split_k with a one-block cluster (H <= 1024) runs the instance without the cluster exchange.
   const bool cluster = plan.kernel == KernelKind::split_k && plan.cluster > 1;
   const KernelFn kernel = cluster ? by_fp8<true>(a.fp8, mode_of(op, a), plan.max_candidates)

@@ -56,4 +56,14 @@ struct PerTokenParams {
 // all-reduce site (cuda/all_reduce_attn_res_kernel.cu) extends them.
 PerTokenParams make_per_token_params(const AttnResArgs& args, const Plan& plan);
 
+// The mode of a validated call.
+inline Mode mode_of(AttnResOp op, const AttnResArgs& a) {
+  if (op == AttnResOp::attn_res) return Mode::mix;
+  if (!a.layer_residual_add.present()) return Mode::norm;
+  return a.layer_residual_add2.present() ? Mode::add2 : Mode::add;
+}
+
+// Launches the streaming single_cta (plan.smem_bytes > 0) for a validated call (cuda/attn_res_stream_launch.cu).
+void launch_attn_res_stream(AttnResOp op, const AttnResArgs& args, const Plan& plan);
+
 }  // namespace attnres::detail

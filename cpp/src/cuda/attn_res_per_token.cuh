@@ -21,11 +21,7 @@
 //     split_k's; the persistent kernel reproduces the same order (attn_res_persistent.cuh).
 //   * split_k exchanges partial sums by pushing them into every peer's shared memory (st.async completing
 //     on the peer's mbarrier): each block waits on its own mbarrier, never on a cluster-wide barrier.
-//   * STREAM (single_cta with more tokens than SMs, bf16): the grid holds as many blocks as are resident and
-//     each loops over the tokens b, b + gridDim.x, ...; a thread copies its vectors of the next token's rows
-//     into shared memory (cp.async, two buffers) while the block reduces the current token, and reads them
-//     back into the same registers, so every token runs the one-block instructions (one phase) and the bits
-//     are single_cta's. Only the first token's bank rows 0..K-2 are copied before the wait.
+//   * With more tokens than SMs single_cta streams instead (attn_res_stream.cuh: the same steps and order).
 //   * PDL release: dependents are released (griddepcontrol.launch_dependents) right after the block's
 //     griddepcontrol.wait, not after its last store. Why that is safe (docs/ops/pdl.md has the long form):
 //     launch_dependents gives a dependent no memory visibility, whatever its position: a dependent's
@@ -50,6 +46,7 @@
 #include "attnres/limits.hpp"
 #include "cuda/all_reduce_protocol.cuh"
 #include "cuda/attn_res_params.cuh"
+#include "cuda/attn_res_steps.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/fp8_epilogue.cuh"
 #include "plan_tuning.hpp"
@@ -92,7 +89,7 @@ __device__ __forceinline__ float ordered_sum(const float* base, int stride, int 
 // split_k's two-level order inside one block: the warps of each kChunkWarps-warp chunk in order from +0, then the
 // chunks in order from +0 (what a cluster of one block per chunk computes with ordered_sum twice). Past `count`
 // every term is +0, which changes no sum that started at +0. Shorter than ordered_sum's one chain of MAX adds.
-// PADDED: every one of the MAX slots holds a value, +0 past `count` (the STREAM instances zero those slots once),
+// PADDED: every one of the MAX slots holds a value, +0 past `count` (the streaming single_cta zeroes them once),
 // so no index clamp or mask is needed: the same terms, the same bits, and ~120 instructions fewer at MAX = 32
 // where one warp sums while the block waits at the next barrier.
 template <int MAX, bool PADDED = false>
@@ -232,7 +229,7 @@ constexpr int kMaxThreadsOf = CLUSTER || NMAX > 4 ? kSplitKMaxThreads : kSingleC
 // The EXCHANGE instances are built for split_k's blocks of <= 256 threads only: at single_cta's 1024 the
 // exchange's registers spilled loaded values before the last post-wait load (tools/sass_check.py), so the plan
 // refuses the one-kernel design for single_cta blocks above 256 threads.
-template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none, bool EXCHANGE = false, bool STREAM = false>
+template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none, bool EXCHANGE = false>
 __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>)
     attn_res_per_token_kernel(const __grid_constant__ PerTokenParamsOf<EXCHANGE> p) {
   namespace cg = cooperative_groups;
@@ -241,7 +238,6 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   constexpr int kMaxWarps = (EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>) / 32;
   constexpr int kRanks = CLUSTER ? kMaxClusterRanks : 1;
   static_assert(!EXCHANGE || (kAdd && FP8 == Fp8Mode::none), "the fused all-reduce site: modes add/add2, bf16");
-  static_assert(!STREAM || (!CLUSTER && !EXCHANGE && FP8 == Fp8Mode::none), "the streaming single_cta: bf16");
 
   __shared__ float warp_part[kMaxWarps][2 * NMAX];  // per warp: (sumsq, dot) per candidate
   __shared__ float totals[2 * NMAX];                // the token's sums
@@ -286,44 +282,14 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   const int64_t col = static_cast<int64_t>(vec) * 8;
   const __nv_bfloat16* bank_row0 = p.bank + token * p.bank_token_stride + col;
 
-  // STREAM: this block's tokens are token, token + gridDim.x, ...; each one's rows are copied into shared memory
-  // (two buffers of kStreamSlots rows, slot s of thread tid at stream_buffer[(buffer * kStreamSlots + s) *
-  // blockDim.x + tid], plan_tuning.hpp stream_slots) while the block reduces the token before it. early: the
-  // bank rows 0..K-2 (what no earlier kernel of the step writes); late: the newest row (and the zero rows past
-  // it), the prefix and the addends. A slot is copied once per token, so no two copies of it are in flight.
-  constexpr int kStreamSlots = tuning::stream_slots(NMAX, kAdd, MODE == Mode::add2);
-  extern __shared__ uint4 stream_buffer[];
-  [[maybe_unused]] const auto stream_copy = [&](int t, int buffer, bool early, bool late) {
-    const uint32_t base = shared_address(stream_buffer + buffer * kStreamSlots * blockDim.x + tid);
-    const uint32_t slot = blockDim.x * sizeof(uint4);
-    const __nv_bfloat16* row0 = p.bank + t * p.bank_token_stride + col;
-#pragma unroll
-    for (int n = 0; n + 1 < NMAX; ++n) {
-      if (n + 1 < K ? early : late) {
-        const bool real = valid && n < K;  // a zero row past K: the source is not read (any valid address)
-        cp_async16_zfill(base + n * slot, real ? row0 + n * p.bank_snapshot_stride : p.res_weight, real);
-      }
-    }
-    if (late) {
-      cp_async16_zfill(base + (NMAX - 1) * slot, p.layer_residual + t * p.lr_stride + col, valid);
-      if constexpr (kAdd) cp_async16_zfill(base + NMAX * slot, p.add + t * p.add_stride + col, valid);
-      if constexpr (MODE == Mode::add2)
-        cp_async16_zfill(base + (NMAX + 1) * slot, p.add2 + t * p.add2_stride + col, valid);
-    }
-  };
-
   // ---- loads that no earlier kernel of the step writes (before the grid dependency) ----
   // Every load is predicated (load16_if), never branched around: one basic block, all in flight.
   uint4 rows[NMAX];
   const uint4 res_w = load16_if(p.res_weight + col, valid);
   const uint4 rms_w = load16_if(p.rms_weight + col, valid);
   const uint4 norm_w = load16_if(p.norm_weight + col, kNorm && valid);
-  if constexpr (STREAM) {
-    stream_copy(token, 0, true, false);
-  } else {
 #pragma unroll
-    for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
-  }
+  for (int n = 0; n < NMAX; ++n) rows[n] = load16_if(bank_row0 + n * p.bank_snapshot_stride, valid && n + 1 < K);
 
   // The post-wait addresses are formed before the wait: their operands are launch parameters, and with the
   // prefix's token stride read after the wait ptxas issued the newest row first and merged it before the
@@ -333,15 +299,6 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   grid_dependency_wait();
   // Release dependents here, not after the last store: see "PDL release" in the header comment.
   launch_dependents();
-  if constexpr (STREAM) {
-    stream_copy(token, 0, false, true);
-    cp_async_commit();
-    // The per-warp slots of warps this block does not have hold +0 for chunked_sum<.., PADDED> (written once; the
-    // first token's first barrier orders them before any read).
-    for (int i = tid; i < kMaxWarps * 2 * NMAX; i += blockDim.x)
-      if (i / (2 * NMAX) >= warps) warp_part[i / (2 * NMAX)][i % (2 * NMAX)] = 0.0f;
-    if (tid < kMaxWarps && tid >= warps) warp_sq[tid] = 0.0f;
-  }
 
   // ---- the candidates' (sum of squares, dot with q), reduced over the token in two phases ----
   // Reduction per value: warp (reduce-scatter), block (warps in order), cluster (ranks in order). The early
@@ -358,8 +315,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // early phase ran before this rank's partial was pushed to its peers, and the one-kernel site measured
   // 7.39 us at T = 1 against 7.24 us with one phase (bench_results/h200_b430bf0_allreduce.json,
   // bench_results/h200_f25619c_allreduce.json).
-  // STREAM keeps one phase too: its rows arrive together, before the reduction starts.
-  constexpr bool kTwoPhases = kEarly > 0 && !EXCHANGE && !STREAM;
+  constexpr bool kTwoPhases = kEarly > 0 && !EXCHANGE;
   const int early_values = kTwoPhases ? 2 * (K - 1) : 0;  // values 0 .. early_values - 1: the early phase's
   // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
   // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
@@ -414,303 +370,223 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     }
   };
 
-  // STREAM: once per token of this block (token, token + gridDim.x, ...); otherwise once. Every shared
-  // array of the body is written only after a barrier that follows its last read of the previous token, so the
-  // iterations need no barrier of their own.
-  for (int step = 0;; ++step) {
-    // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
-    // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
-    // schedules that, not the source order: with the newest row loaded first, CUDA 13.0's ptxas placed its OR
-    // merge (below) before computing the later loads' addresses in some instances, which then left a round trip
-    // later (found bisecting a T = 1 add2 regression on the H200 with tools/ab_commits.sh: N = 2 2.97 -> 3.48 us
-    // at 6a81f52, together with the exp branches below). The newest row goes last, so the merge cannot start
-    // before every load is out; tools/sass_check.py checks every instance's SASS.
-    uint4 prefix, add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0), newest = make_uint4(0, 0, 0, 0);
-    if constexpr (STREAM) {
-      // This thread's copies of the token (issued one token ahead) are all it reads: no barrier. The newest
-      // row is in rows[K - 1] already (newest stays zero). Then the next token's copies go out, into the other
-      // buffer, which this thread last read one token ago, with the block's barriers in between.
-      cp_async_wait_all();
-      const uint4* mine = stream_buffer + (step & 1) * kStreamSlots * blockDim.x + tid;
-#pragma unroll
-      for (int n = 0; n + 1 < NMAX; ++n) rows[n] = mine[n * blockDim.x];
-      rows[NMAX - 1] = make_uint4(0, 0, 0, 0);
-      prefix = mine[(NMAX - 1) * blockDim.x];
-      if constexpr (kAdd) add = mine[NMAX * blockDim.x];
-      if constexpr (MODE == Mode::add2) add2 = mine[(NMAX + 1) * blockDim.x];
-      const int next = token + static_cast<int>(gridDim.x);
-      if (next < p.tokens) stream_copy(next, (step + 1) & 1, true, true);
-      cp_async_commit();
-    } else {
-      prefix = load16_if(prefix_row, valid);
-      if constexpr (kAdd && !EXCHANGE) {
-        add = load16_if(p.add + token * p.add_stride + col, valid);
-        add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
-      }
-      if constexpr (EXCHANGE && MODE == Mode::add2) add = load16_if(p.add + token * p.add_stride + col, valid);
-      newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
-    }
-    // The barrier closes the load window (EXCHANGE: after the partial's load, below).
-    if constexpr (!EXCHANGE) {
-      if constexpr (kTwoPhases) early_phase(static_cast<uint32_t>(__syncthreads_count(0)));
-      else early_phase(0u);
-    }
-    // EXCHANGE: `stores` gates every global store (the failure rule above); a constant true otherwise.
-    bool stores = true;
-    [[maybe_unused]] uint32_t generation = 0;
-    [[maybe_unused]] bool begun = false;
-    [[maybe_unused]] uint4 reduced = make_uint4(0, 0, 0, 0);
-    if constexpr (EXCHANGE) {
-      // The partial is issued with the other post-wait loads, which the barrier closes: ptxas neither sinks a
-      // load below it nor hoists the state's load above it, so every load is out before any loaded value is
-      // used (tools/sass_check.py reads the window up to this barrier). With the state loaded among them, ptxas
-      // put its load first and its test before the data loads: two round trips. Issued right after the
-      // barrier, the state's round trip overlaps the data loads'. Plain coherent loads: the previous call's
-      // kernel wrote the state before this grid's wait returned; an error word set meanwhile by another block
-      // only means this thread's exchange goes ahead (the failure is caught by the exchange's own checks).
-      const uint4 mine = load16_if(p.partial + token * p.partial_stride + col, valid);
-      uint32_t zero = 0;
-      if constexpr (kTwoPhases) zero = static_cast<uint32_t>(__syncthreads_count(0));
-      else __syncthreads();
-      const uint2 state = load8(p.x.state + kGeneration);
-      early_phase(zero);  // after the state's load, which the exchange's first test waits for
-      generation = state.x;
-      begun = state.y == 0u;  // per thread: a block whose threads disagree writes nothing (its "ok" is false)
-      stores = begun;
-      if (begun && valid) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        stores = exchange_sum_vector(p.x, generation % 3u, token, vec, mine, acc);
-        reduced = pack8(acc);
-      }
-      if constexpr (MODE == Mode::add) add = reduced;
-      else add2 = reduced;
-    }
-    // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch. (The early
-    // phase above read rows 0..K-2 only.)
-#pragma unroll
-    for (int n = 0; n < NMAX; ++n)
-      if (n + 1 == K)
-        rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
-    if constexpr (kAdd) {
-      // ops.md step 1: P = bf16(P + S) with S = add, or S = bf16(add + add2): PyTorch's prefix + (add + add2).
-      float pf[8], s[8];
-      unpack8(prefix, pf);
-      unpack8(add, s);
-      if constexpr (MODE == Mode::add2) {
-        float s2[8];
-        unpack8(add2, s2);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[e] = round_bf16(add_rn_keep_subnormals(s[e], s2[e]));
-      }
-#pragma unroll
-      for (int e = 0; e < 8; ++e) pf[e] = add_rn_keep_subnormals(pf[e], s[e]);
-      prefix = pack8(pf);
-      if constexpr (!EXCHANGE) {
-        if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
-        if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
-      }
-    }
-
-    // ---- the late phase of the candidates' reduction: the newest row and P, then the token's totals ----
-    if constexpr (kTwoPhases) {
-      float part[4];
-      vector_scores(newest, q, part[0], part[1]);  // zero when K = 0: its values (index -2, -1) are not stored
-      vector_scores(prefix, q, part[2], part[3]);
-      const float sum = warp_reduce_scatter<4>(part, lane);
-      const int index = early_values + lane / 8;  // the newest row: 2(K-1), 2K-1; P: 2K, 2K+1
-      if (lane % 8 == 0 && index >= 0) warp_part[warp][index] = sum;
-      // P joins the rows as candidate K (rows[K] is still zero: its load was predicated off), so the mixture
-      // reads rows[n] for every n without a select per element; merged here, ahead of the exchange's wait.
-#pragma unroll
-      for (int n = 0; n < NMAX; ++n)
-        if (n == K)
-          rows[n] = make_uint4(rows[n].x | prefix.x, rows[n].y | prefix.y, rows[n].z | prefix.z, rows[n].w | prefix.w);
-    } else {
-      // One phase: every candidate (rows[0] holds the newest row when K = 1, P is candidate K).
-      constexpr int kWidth = scatter_width(kValues) < 8 ? 8 : scatter_width(kValues), kLanesPerValue = 32 / kWidth;
-      float part[kWidth];
-#pragma unroll
-      for (int i = kValues; i < kWidth; ++i) part[i] = 0.0f;
-#pragma unroll
-      for (int n = 0; n < NMAX; ++n)
-        vector_scores(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), q, part[2 * n], part[2 * n + 1]);
-      const float sum = warp_reduce_scatter<kWidth>(part, lane);
-      const int index = lane / kLanesPerValue;
-      if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
-    }
-    if constexpr (EXCHANGE) stores = __syncthreads_and(stores) != 0;  // the block's "ok"
+  // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
+  // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
+  // schedules that, not the source order: with the newest row loaded first, CUDA 13.0's ptxas placed its OR
+  // merge (below) before computing the later loads' addresses in some instances, which then left a round trip
+  // later (found bisecting a T = 1 add2 regression on the H200 with tools/ab_commits.sh: N = 2 2.97 -> 3.48 us
+  // at 6a81f52, together with the exp branches below). The newest row goes last, so the merge cannot start
+  // before every load is out; tools/sass_check.py checks every instance's SASS.
+  uint4 prefix = load16_if(prefix_row, valid);
+  uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
+  if constexpr (kAdd && !EXCHANGE) {
+    add = load16_if(p.add + token * p.add_stride + col, valid);
+    add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
+  }
+  if constexpr (EXCHANGE && MODE == Mode::add2) add = load16_if(p.add + token * p.add_stride + col, valid);
+  const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
+  // The barrier closes the load window (EXCHANGE: after the partial's load, below).
+  if constexpr (!EXCHANGE) {
+    if constexpr (kTwoPhases) early_phase(static_cast<uint32_t>(__syncthreads_count(0)));
+    else early_phase(0u);
+  }
+  // EXCHANGE: `stores` gates every global store (the failure rule above); a constant true otherwise.
+  bool stores = true;
+  [[maybe_unused]] uint32_t generation = 0;
+  [[maybe_unused]] bool begun = false;
+  [[maybe_unused]] uint4 reduced = make_uint4(0, 0, 0, 0);
+  if constexpr (EXCHANGE) {
+    // The partial is issued with the other post-wait loads, which the barrier closes: ptxas neither sinks a
+    // load below it nor hoists the state's load above it, so every load is out before any loaded value is
+    // used (tools/sass_check.py reads the window up to this barrier). With the state loaded among them, ptxas
+    // put its load first and its test before the data loads: two round trips. Issued right after the
+    // barrier, the state's round trip overlaps the data loads'. Plain coherent loads: the previous call's
+    // kernel wrote the state before this grid's wait returned; an error word set meanwhile by another block
+    // only means this thread's exchange goes ahead (the failure is caught by the exchange's own checks).
+    const uint4 mine = load16_if(p.partial + token * p.partial_stride + col, valid);
+    uint32_t zero = 0;
+    if constexpr (kTwoPhases) zero = static_cast<uint32_t>(__syncthreads_count(0));
     else __syncthreads();
-    const bool late_value = tid >= early_values && tid < 2 * N;
-    if constexpr (exchange) {
-      if constexpr (!kTwoPhases) begin_exchange();
-      // EXCHANGE: the block's "ok" travels with its partial sums, on the same mbarrier.
-      if constexpr (EXCHANGE) {
-        if (tid < ranks) push_to_rank(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, tid);
-      }
-      // Two phases: the late values are the newest row's and P's (2(K-1) .. 2K+1; 0, 1 when K = 0).
-      if (late_value) push_to_ranks(&recv_part[rank][tid], &bars[0], block_sum(tid), ranks);
-      mbarrier_wait_parity(shared_address(&bars[0]), 0);
-      if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
-      if constexpr (EXCHANGE) {
-        for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
-      }
-    } else {
-      if (late_value) totals[tid] = chunked_sum<kMaxWarps, STREAM>(&warp_part[0][tid], kValues, warps);
+    const uint2 state = load8(p.x.state + kGeneration);
+    early_phase(zero);  // after the state's load, which the exchange's first test waits for
+    generation = state.x;
+    begun = state.y == 0u;  // per thread: a block whose threads disagree writes nothing (its "ok" is false)
+    stores = begun;
+    if (begun && valid) {
+      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      stores = exchange_sum_vector(p.x, generation % 3u, token, vec, mine, acc);
+      reduced = pack8(acc);
     }
-    __syncthreads();
-    if constexpr (EXCHANGE) {
-      // The stores the plain op issues right after the addition, deferred until the cluster's "ok" is known.
-      if (valid && stores) {
-        if (p.reduced) store16(p.reduced + token * p.reduced_stride + col, reduced);
-        if (p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
-        if (p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
-      }
-    }
-    if constexpr (!kAdd) {
-      // The snapshot write without an addend: the row is layer_residual itself. After the load window (the
-      // post-wait loads stay together, tools/sass_check.py), before the mixture.
+    if constexpr (MODE == Mode::add) add = reduced;
+    else add2 = reduced;
+  }
+  // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch. (The early
+  // phase above read rows 0..K-2 only.)
+#pragma unroll
+  for (int n = 0; n < NMAX; ++n)
+    if (n + 1 == K)
+      rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
+  if constexpr (kAdd) {
+    prefix = add_to_prefix<MODE>(prefix, add, add2);
+    if constexpr (!EXCHANGE) {
+      if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
       if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
     }
+  }
 
-    // ---- softmax over the N candidates, computed identically by every thread of every block ----
-    // Branch-free over the bucket (n >= N gets logit -inf, probability 0) so the N chains overlap; rsqrt and
-    // exp are the MUFU approximations (<= 2 ulp near 0), the mean a product with 1/H.
-    float rsigma[NMAX], logit[NMAX], prob[NMAX];
-    float max_logit = -INFINITY;
+  // ---- the late phase of the candidates' reduction: the newest row and P, then the token's totals ----
+  if constexpr (kTwoPhases) {
+    float part[4];
+    vector_scores(newest, q, part[0], part[1]);  // zero when K = 0: its values (index -2, -1) are not stored
+    vector_scores(prefix, q, part[2], part[3]);
+    const float sum = warp_reduce_scatter<4>(part, lane);
+    const int index = early_values + lane / 8;  // the newest row: 2(K-1), 2K-1; P: 2K, 2K+1
+    if (lane % 8 == 0 && index >= 0) warp_part[warp][index] = sum;
+    // P joins the rows as candidate K (rows[K] is still zero: its load was predicated off), so the mixture
+    // reads rows[n] for every n without a select per element; merged here, ahead of the exchange's wait.
 #pragma unroll
-    for (int n = 0; n < NMAX; ++n) {
-      const float ss = n < N ? totals[2 * n] : 1.0f, dot = n < N ? totals[2 * n + 1] : 0.0f;
-      rsigma[n] = rsqrtf(fmaf(ss, p.inv_hidden, p.rms_eps));
-      logit[n] = n < N ? rsigma[n] * dot : -INFINITY;
-      max_logit = fmaxf(max_logit, logit[n]);
-    }
-    float denom = 0.0f;
+    for (int n = 0; n < NMAX; ++n)
+      if (n == K)
+        rows[n] = make_uint4(rows[n].x | prefix.x, rows[n].y | prefix.y, rows[n].z | prefix.z, rows[n].w | prefix.w);
+  } else {
+    // One phase: every candidate (rows[0] holds the newest row when K = 1, P is candidate K).
+    constexpr int kWidth = scatter_width(kValues) < 8 ? 8 : scatter_width(kValues), kLanesPerValue = 32 / kWidth;
+    float part[kWidth];
 #pragma unroll
-    for (int n = 0; n < NMAX; ++n) {
-      // Past N the probability is exp(-inf) = 0 by selecting the argument, not by exp(logit - max): with no
-      // finite logit max stays -inf (fmaxf drops NaN) and exp(-inf + inf) would be NaN. The argument, not the
-      // result, is selected so every exp is issued unconditionally: `n < N ? __expf(..) : 0` became a branch
-      // around each MUFU.EX2 (serialised exps; at 6a81f52 T = 1 add2 N = 9 went 3.48 -> 3.87 us on the H200;
-      // tools/sass_check.py checks every instance).
-      prob[n] = __expf(n < N ? logit[n] - max_logit : -INFINITY);
-      denom += prob[n];
-    }
-    // N = 1: the denominator is exp(0) = 1 for a finite logit, so 1 is exact; for a non-finite logit it is NaN,
-    // and 0 * NaN would turn the bucket's zero padding probabilities into NaN, which the mixture would pick up.
-    // N >= 2: a NaN denominator makes every real probability NaN, and the mixture NaN, whatever the padding. So
-    // one select on the scale, not one per probability (the same bits).
-    const float inv_denom = N == 1 ? 1.0f : 1.0f / denom;
+    for (int i = kValues; i < kWidth; ++i) part[i] = 0.0f;
 #pragma unroll
-    for (int n = 0; n < NMAX; ++n) prob[n] *= inv_denom;
-    // With N = 1 the mixture is P itself (ops.md step 6), also when its logit is not finite (rms_eps = 0 and a
-    // zero row: rsigma = inf, logit = inf * 0 = NaN).
-    prob[0] = N == 1 ? 1.0f : prob[0];
-
-    if constexpr (MODE == Mode::mix) {
-      // fp32 diagnostics, written by the cluster's first block: the values the mixture used.
-      if (rank == 0 && tid < N && p.rsigma) {
-#pragma unroll
-        for (int n = 0; n < NMAX; ++n)
-          if (n == tid) {
-            p.rsigma[n * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma[n];
-            p.logits[n * p.logits_stride[0] + token * p.logits_stride[1]] = logit[n];
-            p.probs[n * p.probs_stride[0] + token * p.probs_stride[1]] = prob[n];
-          }
-      }
-    }
-
-    // ---- the mixture, rounded to bf16 once (ops.md step 6) ----
-    float mix[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    uint4 mixed = make_uint4(0, 0, 0, 0);
-    if (valid) {
-      // Unconditional over the bucket: past N the probability and the row are zero, and a sum that starts at
-      // +0 is unchanged by +0 (no -0 can arise under round-to-nearest).
-#pragma unroll
-      for (int n = 0; n < NMAX; ++n) {
-        float x[8];
-        // Candidate n: bank row n < K, P at n = K, zero past it (two phases: P is merged into rows[K] above).
-        unpack8(kTwoPhases ? rows[n] : (n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0))), x);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
-      }
-      mixed = pack8(mix);
-      unpack8(mixed, mix);  // from here on the mixture is its bf16 value
-      if constexpr (MODE == Mode::mix) {
-        store16(p.output + token * p.output_stride + col, mixed);
-      } else {
-        if (p.mixture && stores) store16(p.mixture + token * p.mixture_stride + col, mixed);
-      }
-    }
-
-    if constexpr (kNorm) {
-      // ---- trailing RMSNorm in Kimi's two-rounding order (ops.md step 7) ----
-      float sq = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) sq = fmaf(mix[e], mix[e], sq);
-      sq = warp_sum(sq);
-      if (lane == 0) warp_sq[warp] = sq;
-      __syncthreads();
-      float total;
-      if constexpr (exchange) {
-        if (tid == 0) mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
-        if (tid < ranks) push_to_rank(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), tid);
-        mbarrier_wait_parity(shared_address(&bars[1]), 0);
-        total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
-      } else {
-        if (tid == 0) block_sq = chunked_sum<kMaxWarps, STREAM>(warp_sq, 1, warps);
-        __syncthreads();
-        total = block_sq;
-      }
-      uint4 out = make_uint4(0, 0, 0, 0);
-      if (valid) {
-        const float r = rsqrtf(fmaf(total, p.inv_hidden, p.norm_eps));
-        float w[8], o[8];
-        unpack8(norm_w, w);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = round_bf16(mix[e] * r) * w[e];
-        out = pack8(o);
-        if (stores) store16(p.output + token * p.output_stride + col, out);
-      }
-      if constexpr (kFp8) fp8_epilogue<FP8, CLUSTER, kMaxWarps>(p, out, valid, token, vec, rank, ranks, tid, lane, warp,
-                                                                warps, fp8_warp_amax, fp8_thread_amax, fp8_recv, &fp8_bar);
-    }
-
+    for (int n = 0; n < NMAX; ++n)
+      vector_scores(n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)), q, part[2 * n], part[2 * n + 1]);
+    const float sum = warp_reduce_scatter<kWidth>(part, lane);
+    const int index = lane / kLanesPerValue;
+    if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
+  }
+  if constexpr (EXCHANGE) stores = __syncthreads_and(stores) != 0;  // the block's "ok"
+  else __syncthreads();
+  const bool late_value = tid >= early_values && tid < 2 * N;
+  if constexpr (exchange) {
+    if constexpr (!kTwoPhases) begin_exchange();
+    // EXCHANGE: the block's "ok" travels with its partial sums, on the same mbarrier.
     if constexpr (EXCHANGE) {
-      // Steps 3-4 of the protocol, after the outputs (off the critical path): clear the previous call's rows of
-      // this thread's vector, then count the block unless every thread found the communicator broken.
-      if (begun && valid) clear_previous_any_world(p.x, generation, token, p.x.tokens, vec);
-      if (__syncthreads_or(begun)) end_call(p.x, generation);
+      if (tid < ranks) push_to_rank(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, tid);
     }
+    // Two phases: the late values are the newest row's and P's (2(K-1) .. 2K+1; 0, 1 when K = 0).
+    if (late_value) push_to_ranks(&recv_part[rank][tid], &bars[0], block_sum(tid), ranks);
+    mbarrier_wait_parity(shared_address(&bars[0]), 0);
+    if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
+    if constexpr (EXCHANGE) {
+      for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
+    }
+  } else {
+    if (late_value) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
+  }
+  __syncthreads();
+  if constexpr (EXCHANGE) {
+    // The stores the plain op issues right after the addition, deferred until the cluster's "ok" is known.
+    if (valid && stores) {
+      if (p.reduced) store16(p.reduced + token * p.reduced_stride + col, reduced);
+      if (p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
+      if (p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+    }
+  }
+  if constexpr (!kAdd) {
+    // The snapshot write without an addend: the row is layer_residual itself. After the load window (the
+    // post-wait loads stay together, tools/sass_check.py), before the mixture.
+    if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
+  }
 
-    if constexpr (!STREAM) break;
-    token += gridDim.x;
-    if (token >= p.tokens) break;
+  // ---- softmax over the N candidates, computed identically by every thread of every block ----
+  float rsigma[NMAX], logit[NMAX], prob[NMAX];
+  candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
+
+  if constexpr (MODE == Mode::mix) {
+    // fp32 diagnostics, written by the cluster's first block: the values the mixture used.
+    if (rank == 0 && tid < N && p.rsigma) {
+#pragma unroll
+      for (int n = 0; n < NMAX; ++n)
+        if (n == tid) {
+          p.rsigma[n * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma[n];
+          p.logits[n * p.logits_stride[0] + token * p.logits_stride[1]] = logit[n];
+          p.probs[n * p.probs_stride[0] + token * p.probs_stride[1]] = prob[n];
+        }
+    }
+  }
+
+  // ---- the mixture, rounded to bf16 once (ops.md step 6) ----
+  float mix[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  uint4 mixed = make_uint4(0, 0, 0, 0);
+  if (valid) {
+    // Unconditional over the bucket: past N the probability and the row are zero, and a sum that starts at
+    // +0 is unchanged by +0 (no -0 can arise under round-to-nearest).
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n) {
+      float x[8];
+      // Candidate n: bank row n < K, P at n = K, zero past it (two phases: P is merged into rows[K] above).
+      unpack8(kTwoPhases ? rows[n] : (n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0))), x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
+    }
+    mixed = pack8(mix);
+    unpack8(mixed, mix);  // from here on the mixture is its bf16 value
+    if constexpr (MODE == Mode::mix) {
+      store16(p.output + token * p.output_stride + col, mixed);
+    } else {
+      if (p.mixture && stores) store16(p.mixture + token * p.mixture_stride + col, mixed);
+    }
+  }
+
+  if constexpr (kNorm) {
+    // ---- trailing RMSNorm in Kimi's two-rounding order (ops.md step 7) ----
+    float sq = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) sq = fmaf(mix[e], mix[e], sq);
+    sq = warp_sum(sq);
+    if (lane == 0) warp_sq[warp] = sq;
+    __syncthreads();
+    float total;
+    if constexpr (exchange) {
+      if (tid == 0) mbarrier_expect_tx(shared_address(&bars[1]), ranks * sizeof(float));
+      if (tid < ranks) push_to_rank(&recv_sq[rank], &bars[1], ordered_sum<kMaxWarps>(warp_sq, 1, warps), tid);
+      mbarrier_wait_parity(shared_address(&bars[1]), 0);
+      total = ordered_sum<kMaxClusterRanks>(recv_sq, 1, ranks);
+    } else {
+      if (tid == 0) block_sq = chunked_sum<kMaxWarps>(warp_sq, 1, warps);
+      __syncthreads();
+      total = block_sq;
+    }
+    uint4 out = make_uint4(0, 0, 0, 0);
+    if (valid) {
+      out = rms_output8(mix, total, p.inv_hidden, p.norm_eps, norm_w);
+      if (stores) store16(p.output + token * p.output_stride + col, out);
+    }
+    if constexpr (kFp8) fp8_epilogue<FP8, CLUSTER, kMaxWarps>(p, out, valid, token, vec, rank, ranks, tid, lane, warp,
+                                                              warps, fp8_warp_amax, fp8_thread_amax, fp8_recv, &fp8_bar);
+  }
+
+  if constexpr (EXCHANGE) {
+    // Steps 3-4 of the protocol, after the outputs (off the critical path): clear the previous call's rows of
+    // this thread's vector, then count the block unless every thread found the communicator broken.
+    if (begun && valid) clear_previous_any_world(p.x, generation, token, p.x.tokens, vec);
+    if (__syncthreads_or(begun)) end_call(p.x, generation);
   }
 
   // No cluster barrier before exit: every push into this block's shared memory completed before its
   // mbarrier waits returned, and it pushes nothing after them.
 }
 
-// The instance of bucket NMAX, or nullptr where none is built: STREAM exists for single_cta's buckets only.
-template <int NMAX, Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE, bool STREAM>
-constexpr auto per_token_kernel_or_null() -> void (*)(PerTokenParamsOf<EXCHANGE>) {
-  if constexpr (STREAM && NMAX > kSingleCtaMaxCandidates) return nullptr;
-  else return attn_res_per_token_kernel<NMAX, M, CLUSTER, F, EXCHANGE, STREAM>;
-}
-
 // The instance for N bucket `max_candidates` (nullptr for none), one case per entry of kCandidateBuckets
 // (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. Used by the
-// plain op's launcher (cuda/attn_res_launch.cu; STREAM: the streaming single_cta) and the one-kernel all-reduce
-// site's (EXCHANGE, cuda/all_reduce_attn_res_kernel.cu).
-template <Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE = false, bool STREAM = false>
+// plain op's launcher (cuda/attn_res_launch.cu) and the one-kernel all-reduce site's (EXCHANGE,
+// cuda/all_reduce_attn_res_kernel.cu).
+template <Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE = false>
 auto per_token_instance(int max_candidates) -> void (*)(PerTokenParamsOf<EXCHANGE>) {
   static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
   switch (max_candidates) {
-    case kCandidateBuckets[0]: return per_token_kernel_or_null<kCandidateBuckets[0], M, CLUSTER, F, EXCHANGE, STREAM>();
-    case kCandidateBuckets[1]: return per_token_kernel_or_null<kCandidateBuckets[1], M, CLUSTER, F, EXCHANGE, STREAM>();
-    case kCandidateBuckets[2]: return per_token_kernel_or_null<kCandidateBuckets[2], M, CLUSTER, F, EXCHANGE, STREAM>();
-    case kCandidateBuckets[3]: return per_token_kernel_or_null<kCandidateBuckets[3], M, CLUSTER, F, EXCHANGE, STREAM>();
-    case kCandidateBuckets[4]: return per_token_kernel_or_null<kCandidateBuckets[4], M, CLUSTER, F, EXCHANGE, STREAM>();
+    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F, EXCHANGE>;
     default: return nullptr;
   }
 }
