@@ -76,9 +76,13 @@ constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
 }
 // The 16-byte vectors of a row each of its threads owns: the lanes of single_cta's one-block layout per thread.
 constexpr int32_t kStreamVectors = 2;
+// The token buffers: the token being reduced and kStreamBuffers - 1 being copied. Three (two tokens in flight)
+// measured no faster on the H200 (bench_results/h200_641e258_stream_ab.txt: T = 4096, N = 2 85.3 vs 86.2 us,
+// add2 95.0 vs 92.0, T = 256 9.40 vs 8.63): a block's step is bound by its own arithmetic, not by the copy.
+constexpr int32_t kStreamBuffers = 2;
 // The buffers' bytes for a block of `threads` threads (kStreamVectors lanes each).
 constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t threads) {
-  return int64_t{2} * stream_slots(bucket, add, add2) * threads * kStreamVectors * 16;
+  return int64_t{kStreamBuffers} * stream_slots(bucket, add, add2) * threads * kStreamVectors * 16;
 }
 // Options::stream_min_tokens that no call reaches (the one-kernel all-reduce site plans with it).
 constexpr int64_t kNeverStream = kMaxTokensPerLaunch + 1;

@@ -47,6 +47,10 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
   constexpr int kMaxWarps = kSingleCtaMaxThreads / 32;  // split_k's 32-vector warps of one token
   constexpr int kValues = 2 * NMAX;                     // (sumsq, dot) per candidate
   constexpr int kSlots = tuning::stream_slots(NMAX, kAdd, MODE == Mode::add2);
+  // kAhead: the tokens past the current one whose copies are in flight when a step starts; each step then issues
+  // one more, into the buffer the thread read a step earlier.
+  constexpr int kBuffers = tuning::kStreamBuffers, kAhead = kBuffers - 2;
+  static_assert(kAhead >= 0, "at least two buffers");
   static_assert(NMAX <= kSingleCtaMaxCandidates, "single_cta's buckets");
   static_assert(32 % V == 0 && (V & (V - 1)) == 0, "a power-of-two share of a warp");
 
@@ -116,6 +120,14 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
   launch_dependents();
   copy_token(token, 0, false, true);
   cp_async_commit();
+  // The next kAhead tokens, one commit group per token (empty past T): at every step the token's group is the
+  // oldest of kAhead + 1 in flight.
+#pragma unroll
+  for (int a = 1; a <= kAhead; ++a) {
+    const int t = token + a * static_cast<int>(gridDim.x);
+    if (t < p.tokens) copy_token(t, a, true, true);
+    cp_async_commit();
+  }
   // The per-warp slots of warps the token does not have hold +0 for chunked_sum<.., PADDED> (written once; the
   // first token's first barrier orders them before any read).
   for (int i = tid; i < kMaxWarps * kValues; i += blockDim.x)
@@ -133,13 +145,13 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
   }
 
   for (int step = 0;; ++step) {
-    // This thread's copies of the token (issued one token ahead) are all it reads: no barrier. Then the next
-    // token's copies go out, into the other buffer, which this thread last read one token ago.
-    cp_async_wait_all();
+    // This thread's copies of the token (issued kAhead + 1 steps ago) are all it reads: no barrier. Then the copies
+    // of the token kAhead + 1 steps ahead go out, into the buffer this thread read a step ago.
+    cp_async_wait_group<kAhead>();
     uint4 rows[V][NMAX], prefix[V], add[V], add2[V];
 #pragma unroll
     for (int v = 0; v < V; ++v) {
-      const uint4* mine = stream_buffer + (step & 1) * kSlots * lanes + lane_of[v];
+      const uint4* mine = stream_buffer + (step % kBuffers) * kSlots * lanes + lane_of[v];
 #pragma unroll
       for (int n = 0; n + 1 < NMAX; ++n) rows[v][n] = mine[n * lanes];
       rows[v][NMAX - 1] = make_uint4(0, 0, 0, 0);
@@ -147,8 +159,8 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
       add[v] = kAdd ? mine[NMAX * lanes] : make_uint4(0, 0, 0, 0);
       add2[v] = MODE == Mode::add2 ? mine[(NMAX + 1) * lanes] : make_uint4(0, 0, 0, 0);
     }
-    const int next = token + static_cast<int>(gridDim.x);
-    if (next < p.tokens) copy_token(next, (step + 1) & 1, true, true);
+    const int next = token + static_cast<int>(gridDim.x), ahead = token + (kAhead + 1) * static_cast<int>(gridDim.x);
+    if (ahead < p.tokens) copy_token(ahead, (step + kAhead + 1) % kBuffers, true, true);
     cp_async_commit();
 
 #pragma unroll

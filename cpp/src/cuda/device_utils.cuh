@@ -84,6 +84,11 @@ __device__ __forceinline__ void cp_async16_zfill(uint32_t smem, const void* gmem
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+// All but this thread's PENDING most recent groups of copies complete (and visible to it).
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
 
 // Programmatic dependent launch (sm_90). Both are no-ops when the launch did not enable PDL.
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
