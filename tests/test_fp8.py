@@ -196,7 +196,8 @@ def _boundary_inputs(device, columns: torch.Tensor):
 
 def _boundary_groups() -> list[torch.Tensor]:
     """128-element bf16 groups: all zero, subnormal amax, amax at 448 * 2^k and one bf16 ulp either side, a
-    group whose maximum scales to exactly +-448, mixed magnitudes down to e4m3 subnormals, signed zeros."""
+    group whose maximum scales to exactly +-448, mixed magnitudes down to e4m3 subnormals, signed zeros, and
+    groups whose other elements scale to fp32 subnormals."""
     g = torch.Generator().manual_seed(7)
     base = torch.randn(128, generator=g)
     groups = [torch.zeros(128), torch.full((128,), -0.0)]
@@ -212,6 +213,12 @@ def _boundary_groups() -> list[torch.Tensor]:
             groups.append(x)
     x = base * torch.logspace(-12, 0, 128, base=2.0)
     groups.append(x)
+    # fp32-subnormal quotients (x / s with s = 2^9, 2^60): a power-of-two scale divides as a product with 1 / s,
+    # which must round them as the division does.
+    for k, e in ((9, -120), (60, -80)):
+        x = base * 2.0 ** e
+        x[7] = 448.0 * 2.0 ** k
+        groups.append(x)
     return [gr.to(BF16) for gr in groups]
 
 

@@ -147,17 +147,27 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
     const uint32_t w = warp_max_u32(mine);
     if (lane == 0) warp_amax[warp] = w;
     __syncthreads();
+    // Unrolled to the array bounds with the index clamped (max(x, x) = x): the loads issue together and no loop
+    // branches (the max is order-independent: the same bits).
     uint32_t block = 0;
-    for (int i = 0; i < warps; ++i) block = max(block, warp_amax[i]);
+#pragma unroll
+    for (int i = 0; i < kMaxWarps; ++i) block = max(block, warp_amax[min(i, warps - 1)]);
     if constexpr (CLUSTER) {
       if (tid == 0) mbarrier_expect_tx(shared_address(bar), ranks * sizeof(float));
       if (tid < ranks) push_to_rank(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(block), tid);
       mbarrier_wait_parity(shared_address(bar), 0);
       amax = 0;
-      for (int r = 0; r < ranks; ++r) amax = max(amax, recv[r][0]);
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) amax = max(amax, recv[min(r, ranks - 1)][0]);
     } else {
       amax = block;
     }
+  } else if (p.chunk % 16 == 0) {
+    // Every group of 16 vectors starts on lane 0 or 16 of one warp (a block's chunk, a multiple of 16 vectors,
+    // starts on a 16-aligned vector, and so does each of its warps' halves): the group is one half-warp, reduced
+    // by shuffles, with no shared memory and no barrier. A thread past the row or its chunk holds 0, which
+    // changes no max; the max is order-independent, so the bits are the shared-memory path's.
+    amax = half_warp_max_u32(mine);
   } else {
     // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads). A one-block
     // launch lays its threads out by split_k's rank chunks (kChunkThreads threads per chunk of p.chunk
@@ -172,34 +182,33 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
     amax = 0;
     for (int v = lo; v < hi; ++v) amax = max(amax, thread_amax[thread_of(v)]);
     if constexpr (CLUSTER) {
-      if (p.chunk % 16 != 0) {
-        // A group split by a block boundary: every block pushes the partial amax of its first and last group
-        // (its threads 0 and end - first - 1 computed them above); each thread takes the partials of the
-        // other blocks that share its group. fmax of bit patterns: any order gives the same bits.
-        const int last = end - first - 1;  // >= 0 unless the block owns no vector
-        if (tid == 0) mbarrier_expect_tx(shared_address(bar), ranks * 2 * sizeof(float));
-        if (tid == 0)
-          push_to_ranks(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(last >= 0 ? amax : 0u),
-                        ranks);
-        if (tid == max(last, 0)) {
-          // A block that owns no vector pushes zeros for both (thread 0 then pushes both).
-          push_to_ranks(reinterpret_cast<const float*>(&recv[rank][1]), bar, __uint_as_float(last >= 0 ? amax : 0u),
-                        ranks);
-        }
-        mbarrier_wait_parity(shared_address(bar), 0);
-        for (int r = 0; r < ranks; ++r) {
-          const int rf = r * p.chunk, re = min(rf + p.chunk, p.vectors);
-          if (rf >= re) continue;
-          if ((rf >> 4) == g) amax = max(amax, recv[r][0]);
-          if (((re - 1) >> 4) == g) amax = max(amax, recv[r][1]);
-        }
+      // A group split by a block boundary (the chunk is not a multiple of 16): every block pushes the partial
+      // amax of its first and last group (its threads 0 and end - first - 1 computed them above); each thread
+      // takes the partials of the other blocks that share its group. fmax of bit patterns: any order gives the
+      // same bits.
+      const int last = end - first - 1;  // >= 0 unless the block owns no vector
+      if (tid == 0) mbarrier_expect_tx(shared_address(bar), ranks * 2 * sizeof(float));
+      if (tid == 0)
+        push_to_ranks(reinterpret_cast<const float*>(&recv[rank][0]), bar, __uint_as_float(last >= 0 ? amax : 0u),
+                      ranks);
+      if (tid == max(last, 0)) {
+        // A block that owns no vector pushes zeros for both (thread 0 then pushes both).
+        push_to_ranks(reinterpret_cast<const float*>(&recv[rank][1]), bar, __uint_as_float(last >= 0 ? amax : 0u),
+                      ranks);
+      }
+      mbarrier_wait_parity(shared_address(bar), 0);
+      for (int r = 0; r < ranks; ++r) {
+        const int rf = r * p.chunk, re = min(rf + p.chunk, p.vectors);
+        if (rf >= re) continue;
+        if ((rf >> 4) == g) amax = max(amax, recv[r][0]);
+        if (((re - 1) >> 4) == g) amax = max(amax, recv[r][1]);
       }
     }
   }
   const float s = fp8_scale(amax, p.fp8_pow2 != 0);
   if (valid) {
     *reinterpret_cast<uint2*>(p.output_fp8 + token * p.output_fp8_stride + static_cast<int64_t>(vec) * 8) =
-        fp8_codes8(out, s);
+        fp8_codes8(out, s, p.fp8_pow2 != 0);
     if constexpr (FP8 == Fp8Mode::per_token) {
       if (vec == 0) p.fp8_scales[token * p.fp8_scales_stride[0]] = s;
     } else {

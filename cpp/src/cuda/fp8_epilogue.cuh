@@ -44,9 +44,13 @@ __device__ __forceinline__ float fp8_scale(uint32_t amax_bits, bool pow2) {
   return (b & 0x007fffffu) == 0 ? s : __uint_as_float((b & 0x7f800000u) + 0x00800000u);
 }
 
-// clamp(x / s, -448, 448) with NaN kept (the comparisons are false for NaN).
-__device__ __forceinline__ float fp8_scaled(float x, float s) {
-  const float v = __fdiv_rn(x, s);
+// clamp(x / s, -448, 448) with NaN kept (the comparisons are false for NaN). POW2: s is a power of two (or inf or
+// NaN: fp8_scale), and x / s is computed as x * (1 / s): 1 / s is exact (2^-k, a normal number for the scales'
+// range 2^-42 .. 2^120, 0 for s = inf), and both forms are the one rounding of the same exact value x * 2^-k (the
+// same bits, NaN and signed zeros included), one FMUL where the IEEE division takes ~8 instructions.
+template <bool POW2>
+__device__ __forceinline__ float fp8_scaled(float x, float s, float inv_s) {
+  const float v = POW2 ? x * inv_s : __fdiv_rn(x, s);
   return v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v);
 }
 
@@ -62,15 +66,21 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 }
 
 // The 8 codes of the 8 bf16 values of `v` with scale s, as one 8-byte word (element 0 in the lowest byte).
+template <bool POW2>
 __device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  const float inv_s = POW2 ? __frcp_rn(s) : 0.0f;
   uint32_t c[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float lo = __uint_as_float(w[i] << 16), hi = __uint_as_float(w[i] & 0xffff0000u);
-    c[i] = e4m3x2(fp8_scaled(lo, s), fp8_scaled(hi, s));
+    c[i] = e4m3x2(fp8_scaled<POW2>(lo, s, inv_s), fp8_scaled<POW2>(hi, s, inv_s));
   }
   return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
+}
+// fp8_codes8 for the launch's scales (pow2: fp8_scale's power-of-two rounding).
+__device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s, bool pow2) {
+  return pow2 ? fp8_codes8<true>(v, s) : fp8_codes8<false>(v, s);
 }
 
 }  // namespace attnres::detail
