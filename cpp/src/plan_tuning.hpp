@@ -57,8 +57,10 @@ constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;
 // 16384: 352 vs 431 and 406; add2 at 4096: 106.6 vs 120.9), slower at T = 128 (5.97 vs 5.55, streaming
 // forced), and slower than split_k for N = 3, 4 at every T (the bucket of 4: 161.7 vs 145.0 at 4096). With the
 // padded block sums (bench_results/h200_1b20642_stream_padded_ab.txt): 86.6 vs split_k 114.1 us at T = 4096, N = 2,
-// 8.74 vs 9.97 at T = 256, and level in the bucket of 4 (143.1 vs 141.0 at T = 4096, N = 4). Taken
-// where one block fills an SM's registers (more than 512 threads: H > 4096), as at the measured H; the plan
+// 8.74 vs 9.97 at T = 256, and level in the bucket of 4 (143.1 vs 141.0 at T = 4096, N = 4); with two vectors per
+// thread (bench_results/h200_641e258_stream_ab.txt): 85.6 vs 113.2, 8.57 vs 9.88, 143.7 vs 139.8, and with two
+// addends 91.3 vs 118.6. Taken where the one-block layout has more than 512 threads (H > 4096), as at the measured
+// H (where one block of it filled an SM's registers; the bound was measured on the one-vector kernel); the plan
 // keeps split_k where the streaming buffers do not fit (plan.cpp).
 constexpr int64_t kAutomaticStreamMinTokens = 256;
 constexpr int64_t kAutomaticStreamMaxCandidates = 2;
