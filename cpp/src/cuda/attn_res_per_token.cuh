@@ -510,15 +510,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 
   if constexpr (MODE == Mode::mix) {
     // fp32 diagnostics, written by the cluster's first block: the values the mixture used.
-    if (rank == 0 && tid < N && p.rsigma) {
-#pragma unroll
-      for (int n = 0; n < NMAX; ++n)
-        if (n == tid) {
-          p.rsigma[n * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma[n];
-          p.logits[n * p.logits_stride[0] + token * p.logits_stride[1]] = logit[n];
-          p.probs[n * p.probs_stride[0] + token * p.probs_stride[1]] = prob[n];
-        }
-    }
+    if (rank == 0 && tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
   }
 
   // ---- the mixture, rounded to bf16 once (ops.md step 6) ----

@@ -1,7 +1,7 @@
 // The per-thread steps of the AttnRes contract (docs/ops/common.md) that the per-token kernel
 // (attn_res_per_token.cuh) and the streaming single_cta (attn_res_stream.cuh) compute with the same
 // instructions, so that their bits agree: the prefix addition, the softmax over the candidates from the
-// token's reduced sums, and the trailing norm's output of one 16-byte vector.
+// token's reduced sums, attn_res's diagnostics, and the trailing norm's output of one 16-byte vector.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -65,6 +65,19 @@ __device__ __forceinline__ void candidate_softmax(const float* totals, int N, fl
   // With N = 1 the mixture is P itself (ops.md step 6), also when its logit is not finite (rms_eps = 0 and a
   // zero row: rsigma = inf, logit = inf * 0 = NaN).
   prob[0] = N == 1 ? 1.0f : prob[0];
+}
+
+// attn_res's fp32 diagnostics of `token`: candidate `n` (the calling thread's, < N) gets the values the mixture used.
+template <int NMAX>
+__device__ __forceinline__ void store_diagnostics(const PerTokenParams& p, int token, int n, const float (&rsigma)[NMAX],
+                                                  const float (&logit)[NMAX], const float (&prob)[NMAX]) {
+#pragma unroll
+  for (int i = 0; i < NMAX; ++i)
+    if (i == n) {
+      p.rsigma[i * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma[i];
+      p.logits[i * p.logits_stride[0] + token * p.logits_stride[1]] = logit[i];
+      p.probs[i * p.probs_stride[0] + token * p.probs_stride[1]] = prob[i];
+    }
 }
 
 // The trailing RMSNorm's output of one vector in Kimi's two-rounding order (ops.md step 7): the bf16 mixture

@@ -202,15 +202,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
     candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
     if constexpr (MODE == Mode::mix) {
       // fp32 diagnostics: the values the mixture used.
-      if (tid < N && p.rsigma) {
-#pragma unroll
-        for (int n = 0; n < NMAX; ++n)
-          if (n == tid) {
-            p.rsigma[n * p.rsigma_stride[0] + token * p.rsigma_stride[1]] = rsigma[n];
-            p.logits[n * p.logits_stride[0] + token * p.logits_stride[1]] = logit[n];
-            p.probs[n * p.probs_stride[0] + token * p.probs_stride[1]] = prob[n];
-          }
-      }
+      if (tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
     }
 
     // ---- the mixture, rounded to bf16 once (ops.md step 6) ----
