@@ -10,7 +10,9 @@
 //     distances 16, 8, 4, 2, 1), then chunked_sum over the 32-vector warps in order. So a token's bits are
 //     single_cta's, which are split_k's (plan_tuning.hpp split_k_chunk). Fewer, fatter threads: the per-token
 //     work that is not per vector (the softmax, the block sums, the addresses, the barriers) is issued once per
-//     kStreamVectors vectors; the kernel is bound by instruction issue (docs/performance.md).
+//     kStreamVectors vectors, ~20 % fewer instructions per token than one vector per thread; on the H200 that
+//     was level with one addend and 5 % faster with two (docs/performance.md: a block's step is bound by its
+//     serial chain of barriers and block sums, not by the instruction count).
 //   * Each thread copies its vectors of the next token's rows into shared memory (cp.async, two buffers: slot s
 //     of lane l in buffer b at stream_buffer[(b * slots + s) * lanes + l], plan_tuning.hpp stream_slots) while
 //     the block reduces the current token, and reads only its own slots back (cp.async.wait_group 0 makes a
