@@ -13,10 +13,11 @@
 //     kStreamVectors vectors, ~20 % fewer instructions per token than one vector per thread; on the H200 that
 //     was level with one addend and 5 % faster with two (docs/performance.md: a block's step is bound by its
 //     serial chain of barriers and block sums, not by the instruction count).
-//   * Each thread copies its vectors of the next token's rows into shared memory (cp.async, two buffers: slot s
-//     of lane l in buffer b at stream_buffer[(b * slots + s) * lanes + l], plan_tuning.hpp stream_slots) while
-//     the block reduces the current token, and reads only its own slots back (cp.async.wait_group 0 makes a
-//     thread's copies visible to itself): a token's DRAM round trip overlaps the previous token's arithmetic.
+//   * Each thread copies its vectors of the next token's rows into shared memory (cp.async, tuning::kStreamBuffers
+//     = 2 buffers: slot s of lane l in buffer b at stream_buffer[(b * slots + s) * lanes + l], plan_tuning.hpp
+//     stream_slots) while the block reduces the current token, and reads only its own slots back
+//     (cp.async.wait_group makes a thread's copies visible to itself): a token's DRAM round trip overlaps the
+//     previous token's arithmetic.
 //     One phase: the token's rows are all in shared memory before its reduction starts.
 //   * Before griddepcontrol.wait only the first token's bank rows 0..K-2 are copied (what no earlier kernel of
 //     the decode step writes); dependents are released right after the wait, as in the per-token kernel
