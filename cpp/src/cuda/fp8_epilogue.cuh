@@ -42,7 +42,7 @@ __device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v) {
 // the GPU for every bf16 amax and every bf16 dividend of its group (cpp/tests/test_fp8_quotient.cu, 1.07e9
 // pairs): the scales and the codes equal IEEE division's, and so does every quotient of magnitude >= 2^-24
 // (below that the codes are zero whatever the last bits). On the H200 the FP8 add2 op at T = 1, N = 9 lost
-// 0.13-0.15 us (bench_results/h200_s7_fp8_div_ab.txt).
+// 0.13-0.15 us (bench_results/h200_3ff09db_fp8_div_ab.txt).
 struct Fp8Divisor {
   float s, r;
 };
