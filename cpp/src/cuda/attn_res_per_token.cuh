@@ -208,7 +208,7 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
   const float s = fp8_scale(amax, p.fp8_pow2 != 0);
   if (valid) {
     *reinterpret_cast<uint2*>(p.output_fp8 + token * p.output_fp8_stride + static_cast<int64_t>(vec) * 8) =
-        fp8_codes8(out, s, p.fp8_pow2 != 0);
+        fp8_codes8(out, s);
     if constexpr (FP8 == Fp8Mode::per_token) {
       if (vec == 0) p.fp8_scales[token * p.fp8_scales_stride[0]] = s;
     } else {

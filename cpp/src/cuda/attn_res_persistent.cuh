@@ -563,7 +563,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           const float sc = fp8_scale(amax[j], p.fp8_pow2 != 0);
           const int v = static_cast<int>(offset(j) / 16);  // the vector's index
           *reinterpret_cast<uint2*>(p.output_fp8 + t * p.output_fp8_stride + static_cast<int64_t>(v) * 8) =
-              fp8_codes8(output_vector(j), sc, p.fp8_pow2 != 0);
+              fp8_codes8(output_vector(j), sc);
           if constexpr (FP8 == Fp8Mode::per_token) {
             if (v == 0) p.fp8_scales[t * p.fp8_scales_stride[0]] = sc;
           } else {

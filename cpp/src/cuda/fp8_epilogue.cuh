@@ -13,16 +13,12 @@ namespace attnres::detail {
 // The FP8 variant of a kernel instance (compile time; attn_res.hpp Fp8Scales without `none` at run time).
 enum class Fp8Mode : int { none = 0, per_token = 1, block128 = 2 };
 
-// max |x| bits over the 8 bf16 values of `v` (the fp32 bit pattern of the bf16 magnitude).
+// max |x| bits over the 8 bf16 values of `v` (the fp32 bit pattern of the bf16 magnitude): the magnitudes'
+// maxima per 16-bit half (a tree of two-halfword maxima), then the larger half.
 __device__ __forceinline__ uint32_t amax_bits8(uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  uint32_t m = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    m = max(m, (w[i] & 0x7fffu) << 16);
-    m = max(m, (w[i] >> 16 & 0x7fffu) << 16);
-  }
-  return m;
+  constexpr uint32_t kMagnitudes = 0x7fff7fffu;
+  const uint32_t m = __vmaxu2(__vmaxu2(v.x & kMagnitudes, v.y & kMagnitudes), __vmaxu2(v.z & kMagnitudes, v.w & kMagnitudes));
+  return max(m << 16, m & 0xffff0000u);
 }
 
 __device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
@@ -34,15 +30,15 @@ __device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v) {
   return v;
 }
 
-// x / s with IEEE division's codes, for the finite scales (s normal: 1e-10 / 448 <= s <= FLT_MAX / 448) and the
-// dividends of their groups (|x| <= amax): the fast path of CUDA's division (the reciprocal refined once, the
-// product corrected once by its exact residual, the sign the dividend's) without its per-quotient range check
-// and slow-path call (FCHK). With the check every division was a branch region of its own and a thread's eight
-// ran one after the other; here `r` is computed once per scale and the quotients issue together. Checked on
-// the GPU for every bf16 amax and every bf16 dividend of its group (cpp/tests/test_fp8_quotient.cu, 1.07e9
-// pairs): the scales and the codes equal IEEE division's, and so does every quotient of magnitude >= 2^-24
-// (below that the codes are zero whatever the last bits). On the H200 the FP8 add2 op at T = 1, N = 9 lost
-// 0.13-0.15 us (bench_results/h200_3ff09db_fp8_div_ab.txt).
+// x / s with IEEE division's codes, for the finite scales (exact: 1e-10 / 448 <= s <= FLT_MAX / 448, or powers of
+// two 2^-42 .. 2^120: all normal) and the dividends of their groups (|x| <= amax): the fast path of CUDA's
+// division (the reciprocal refined once, the product corrected once by its exact residual, the sign the
+// dividend's) without its per-quotient range check and slow-path call (FCHK). With the check every division was
+// a branch region of its own and a thread's eight ran one after the other; here `r` is computed once per scale
+// and the quotients issue together. Checked on the GPU for every bf16 amax, both scale kinds and every bf16
+// dividend of its group (cpp/tests/test_fp8_quotient.cu, 2.1e9 pairs): the scales and the codes equal IEEE
+// division's, and so does every quotient of magnitude >= 2^-24 (below that the codes are zero whatever the last
+// bits). On the H200 the FP8 add2 op at T = 1, N = 9 lost 0.13-0.15 us (bench_results/h200_3ff09db_fp8_div_ab.txt).
 struct Fp8Divisor {
   float s, r;
 };
@@ -57,22 +53,22 @@ __device__ __forceinline__ float fp8_quotient(float x, Fp8Divisor d) {
 }
 
 // s = max(amax, 1e-10) / 448 (IEEE division's bits), optionally rounded up to a power of two; NaN amax: NaN;
-// an infinite amax: inf.
+// an infinite amax: inf. Selects, no branches: the scale is on every thread's critical path.
 __device__ __forceinline__ float fp8_scale(uint32_t amax_bits, bool pow2) {
-  if (amax_bits > 0x7f800000u) return __uint_as_float(0x7fc00000u);
   const float amax = __uint_as_float(amax_bits);
-  const float s =
-      amax_bits == 0x7f800000u ? amax : fp8_quotient(amax > 1e-10f ? amax : 1e-10f, fp8_divisor(448.0f));
-  if (!pow2) return s;
+  // fmaxf(NaN, 1e-10) is 1e-10: a finite quotient, replaced below.
+  const float q = fp8_quotient(fmaxf(amax, 1e-10f), fp8_divisor(448.0f));
+  const bool finite = amax_bits < 0x7f800000u;
+  const float s = finite ? q : (amax_bits == 0x7f800000u ? amax : __uint_as_float(0x7fc00000u));
   const uint32_t b = __float_as_uint(s);
-  return (b & 0x007fffffu) == 0 ? s : __uint_as_float((b & 0x7f800000u) + 0x00800000u);
+  // A power of two, inf and NaN stay; a finite s with a mantissa moves up to the next power of two (s <= FLT_MAX /
+  // 448: never overflows).
+  return pow2 && finite && (b & 0x007fffffu) != 0 ? __uint_as_float((b & 0x7f800000u) + 0x00800000u) : s;
 }
 
-// clamp(v, -448, 448) with NaN kept (the comparisons are false for NaN).
-__device__ __forceinline__ float fp8_clamp(float v) { return v > 448.0f ? 448.0f : (v < -448.0f ? -448.0f : v); }
-
-// Two values to e4m3, round to nearest even: `lo` in the low byte. The inputs are already clamped, so
-// satfinite never saturates a finite value; NaN codes are made 0x7F (the contract's one NaN code).
+// Two values to e4m3, round to nearest even: `lo` in the low byte. satfinite is the contract's clamp to
+// [-448, 448] (a magnitude above 448 rounds to 448 or past the largest code, which satfinite makes 448); NaN
+// codes are made 0x7F (the contract's one NaN code).
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   uint16_t d;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
@@ -83,40 +79,28 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 }
 
 // The 8 codes of the 8 bf16 values of `v` with scale s, as one 8-byte word (element 0 in the lowest byte):
-// e4m3(clamp(x / s)). POW2 (s a power of two, inf or NaN: fp8_scale): x * (1 / s), with 1 / s exact (2^-k, a
-// normal number for the scales' range 2^-42 .. 2^120, 0 for s = inf), the one rounding of the same exact value
-// x * 2^-k as the division (the same bits, NaN and signed zeros included). Otherwise a finite scale divides by
-// fp8_quotient, an inf or NaN one by IEEE division.
-template <bool POW2>
+// e4m3(clamp(x / s)), for every scale fp8_scale makes. A finite one (exact or a power of two: fp8_quotient is
+// IEEE division there too) divides by fp8_quotient; inf gives x / inf (+-0, NaN for an infinite x), NaN gives NaN,
+// by selects: no branch on the scale.
 __device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  float x[8];
+  const Fp8Divisor d = fp8_divisor(s);
+  const bool finite = s <= 3.40282347e38f;  // false for inf and NaN
+  const bool inf = s == __uint_as_float(0x7f800000u);
+  float q[8];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    x[2 * i] = __uint_as_float(w[i] << 16);
-    x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-  }
-  float q[8];
-  if (POW2) {
-    const float inv_s = __frcp_rn(s);
+    const float x[2] = {__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u)};
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = x[e] * inv_s;
-  } else if (s <= 3.40282347e38f) {  // finite (false for NaN)
-    const Fp8Divisor d = fp8_divisor(s);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = fp8_quotient(x[e], d);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] = __fdiv_rn(x[e], s);
+    for (int h = 0; h < 2; ++h) {
+      const float by_inf = fabsf(x[h]) <= 3.40282347e38f ? copysignf(0.0f, x[h]) : __uint_as_float(0x7fc00000u);
+      q[2 * i + h] = finite ? fp8_quotient(x[h], d) : (inf ? by_inf : s);
+    }
   }
   uint32_t c[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = e4m3x2(fp8_clamp(q[2 * i]), fp8_clamp(q[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) c[i] = e4m3x2(q[2 * i], q[2 * i + 1]);
   return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
-}
-// fp8_codes8 for the launch's scales (pow2: fp8_scale's power-of-two rounding).
-__device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s, bool pow2) {
-  return pow2 ? fp8_codes8<true>(v, s) : fp8_codes8<false>(v, s);
 }
 
 }  // namespace attnres::detail
