@@ -127,8 +127,8 @@ TEST(Fp8QuotientGpu, EveryReachablePairMatchesIeeeDivision) {
   for (uint32_t a = 0; a < kAmaxPatterns; ++a) want_pairs += 2 * 2ull * ((a <= 0x7f80u ? a : 0x7fc0u) + 1);
   EXPECT_EQ(h.pairs, want_pairs);
   EXPECT_EQ(h.scale_mismatches, 0ull);
-  EXPECT_EQ(h.code_mismatches, 0ull) << "first: (pow2 << 16 | amax bf16) 0x" << std::hex << h.first_amax << ", x bf16 0x"
-                                     << h.first_x;
+  EXPECT_EQ(h.code_mismatches, 0ull) << "first: (pow2 << 16 | amax bf16) 0x" << std::hex << h.first_amax
+                                     << ", x bf16 0x" << h.first_x;
   EXPECT_EQ(h.quotient_mismatches, 0ull);
   EXPECT_GT(h.naive_code_mismatches, 0ull) << "the reciprocal multiply must differ somewhere (the check's teeth)";
 }
