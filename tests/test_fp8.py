@@ -213,8 +213,8 @@ def _boundary_groups() -> list[torch.Tensor]:
             groups.append(x)
     x = base * torch.logspace(-12, 0, 128, base=2.0)
     groups.append(x)
-    # fp32-subnormal quotients (x / s with s = 2^9, 2^60): a power-of-two scale divides as a product with 1 / s,
-    # which must round them as the division does.
+    # fp32-subnormal quotients (x / s with s = 2^9, 2^60): the kernels' division without range checks
+    # (cpp/src/cuda/fp8_epilogue.cuh) must give the IEEE division's codes there too, with exact and pow2 scales.
     for k, e in ((9, -120), (60, -80)):
         x = base * 2.0 ** e
         x[7] = 448.0 * 2.0 ** k

@@ -138,5 +138,3 @@ def test_stream_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert_same_bits(out, _split_k(inp, tap=False)[1], f"replay {step} vs split_k eager")
-
-
