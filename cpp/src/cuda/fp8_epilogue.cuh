@@ -33,32 +33,41 @@ __device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v) {
 
 // x / s with IEEE division's codes, for the finite scales (exact: 1e-10 / 448 <= s <= FLT_MAX / 448, or powers of
 // two 2^-42 .. 2^120: all normal) and the dividends of their groups (|x| <= amax): the fast path of CUDA's
-// division (the reciprocal refined once, the product corrected once by its exact residual, the sign the
-// dividend's) without its per-quotient range check and slow-path call (FCHK). With the check every division was
-// a branch region of its own and a thread's eight ran one after the other; here `r` is computed once per scale
-// and the quotients issue together. Checked on the GPU for every bf16 amax, both scale kinds and every bf16
-// dividend of its group (cpp/tests/test_fp8_quotient.cu, 2.1e9 pairs): the scales and the codes equal IEEE
-// division's, and so does every quotient of magnitude >= 2^-24 (below that the codes are zero whatever the last
-// bits). On the H200 the FP8 add2 op at T = 1, N = 9 lost 0.13-0.15 us (bench_results/h200_3ff09db_fp8_div_ab.txt).
+// division (the reciprocal refined once, the product corrected once by its exact residual) without its
+// per-quotient range check and slow-path call (FCHK), which made every division a branch region of its own; here
+// `r` is computed once per scale and a thread's eight quotients issue together. The residual is taken as
+// s * q0 - x and subtracted (the same value as adding x - s * q0), so a zero dividend keeps its sign (-0 / s = -0:
+// q0 = -0, the residual +0, -r * +0 + -0 = -0) with no copysign. Checked on the GPU for every bf16 amax, both
+// scale kinds and every bf16 dividend of its group (cpp/tests/test_fp8_quotient.cu, 2.1e9 pairs): the scales and
+// the codes equal IEEE division's, and so does every quotient of magnitude >= 2^-24 (below that the codes are
+// zero whatever the last bits).
+//
+// Non-finite scales need no branch or select per quotient: fp8_divisor makes {0, 0} of s = inf (rcp.approx(inf)
+// is +0 and the refinement with s' = 0 keeps it) and {0, NaN} of a NaN, so the same three operations give
+// x / inf = +-0 with x's sign (q0 = +-0, the residual -x, -0 * -x + q0), NaN for an infinite x (inf * 0), and NaN
+// for every x when s is NaN. Every NaN the arithmetic makes is the canonical positive one.
 struct Fp8Divisor {
   float s, r;
 };
 __device__ __forceinline__ Fp8Divisor fp8_divisor(float s) {
+  const float finite_s = s <= 3.40282347e38f ? s : 0.0f;  // 0 for inf and NaN
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
-  return {s, __fmaf_rn(r, __fmaf_rn(-s, r, 1.0f), r)};
+  return {finite_s, __fmaf_rn(r, __fmaf_rn(-finite_s, r, 1.0f), r)};
 }
 __device__ __forceinline__ float fp8_quotient(float x, Fp8Divisor d) {
   const float q0 = __fmul_rn(x, d.r);
-  return copysignf(__fmaf_rn(d.r, __fmaf_rn(-d.s, q0, x), q0), x);
+  return __fmaf_rn(-d.r, __fmaf_rn(d.s, q0, -x), q0);
 }
 
 // s = max(amax, 1e-10) / 448 (IEEE division's bits), optionally rounded up to a power of two; NaN amax: NaN;
-// an infinite amax: inf. Selects, no branches: the scale is on every thread's critical path.
+// an infinite amax: inf. Selects, no branches: the scale is on every thread's critical path, and so the divisor
+// 448 comes as a constant: 0x1.24924ap-9 is 1 / 448 correctly rounded, with which the corrected quotient is
+// correctly rounded (the residual correction of a correctly rounded reciprocal; checked for every amax).
 __device__ __forceinline__ float fp8_scale(uint32_t amax_bits, bool pow2) {
   const float amax = __uint_as_float(amax_bits);
   // fmaxf(NaN, 1e-10) is 1e-10: a finite quotient, replaced below.
-  const float q = fp8_quotient(fmaxf(amax, 1e-10f), fp8_divisor(448.0f));
+  const float q = fp8_quotient(fmaxf(amax, 1e-10f), Fp8Divisor{448.0f, 0x1.24924ap-9f});
   const bool finite = amax_bits < 0x7f800000u;
   const float s = finite ? q : (amax_bits == 0x7f800000u ? amax : __uint_as_float(0x7fc00000u));
   const uint32_t b = __float_as_uint(s);
@@ -68,40 +77,24 @@ __device__ __forceinline__ float fp8_scale(uint32_t amax_bits, bool pow2) {
 }
 
 // Two values to e4m3, round to nearest even: `lo` in the low byte. satfinite is the contract's clamp to
-// [-448, 448] (a magnitude above 448 rounds to 448 or past the largest code, which satfinite makes 448); NaN
-// codes are made 0x7F (the contract's one NaN code).
+// [-448, 448] (a magnitude above 448 rounds to 448 or past the largest code, which satfinite makes 448), and it
+// makes the canonical NaN (the only one fp8_quotient gives) 0x7F, the contract's one NaN code.
 __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
   uint16_t d;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
-  uint32_t r = d;
-  if (lo != lo) r = (r & 0xff00u) | 0x7fu;
-  if (hi != hi) r = (r & 0x00ffu) | 0x7f00u;
-  return r;
+  return d;
 }
 
 // The 8 codes of the 8 bf16 values of `v` with scale s, as one 8-byte word (element 0 in the lowest byte):
-// e4m3(clamp(x / s)), for every scale fp8_scale makes. A finite one (exact or a power of two: fp8_quotient is
-// IEEE division there too) divides by fp8_quotient; inf gives x / inf (+-0, NaN for an infinite x), NaN gives NaN,
-// by selects: no branch on the scale (with fp8_scale's selects -0.06 us at T = 1, N = 9 against the branches,
-// bench_results/h200_e887f64_fp8_branchfree_ab.txt).
+// e4m3(clamp(x / s)), for every scale fp8_scale makes (finite, exact or a power of two: IEEE division; inf: +-0,
+// NaN for an infinite x; NaN: NaN), by one path of three operations per value (fp8_divisor, fp8_quotient).
 __device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   const Fp8Divisor d = fp8_divisor(s);
-  const bool finite = s <= 3.40282347e38f;  // false for inf and NaN
-  const bool inf = s == __uint_as_float(0x7f800000u);
-  float q[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float x[2] = {__uint_as_float(w[i] << 16), __uint_as_float(w[i] & 0xffff0000u)};
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const float by_inf = fabsf(x[h]) <= 3.40282347e38f ? copysignf(0.0f, x[h]) : __uint_as_float(0x7fc00000u);
-      q[2 * i + h] = finite ? fp8_quotient(x[h], d) : (inf ? by_inf : s);
-    }
-  }
   uint32_t c[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) c[i] = e4m3x2(q[2 * i], q[2 * i + 1]);
+  for (int i = 0; i < 4; ++i)
+    c[i] = e4m3x2(fp8_quotient(__uint_as_float(w[i] << 16), d), fp8_quotient(__uint_as_float(w[i] & 0xffff0000u), d));
   return make_uint2(c[0] | (c[1] << 16), c[2] | (c[3] << 16));
 }
 
