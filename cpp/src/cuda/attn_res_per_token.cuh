@@ -165,9 +165,10 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
   } else if (p.chunk % 16 == 0) {
     // Every group of 16 vectors starts on lane 0 or 16 of one warp (a block's chunk, a multiple of 16 vectors,
     // starts on a 16-aligned vector, and so does each of its warps' halves): the group is one half-warp, reduced
-    // by shuffles, with no shared memory and no barrier. A thread past the row or its chunk holds 0, which
-    // changes no max; the max is order-independent, so the bits are the shared-memory path's.
-    amax = half_warp_max_u32(mine);
+    // by two warp reductions (half_warp_max_u32), with no shared memory and no barrier. A thread past the row or
+    // its chunk holds 0, which changes no max; the max is order-independent, so the bits are the shared-memory
+    // path's.
+    amax = half_warp_max_u32(mine, lane);
   } else {
     // In-block: the max over this block's vectors of the group (at most 16 shared-memory reads). A one-block
     // launch lays its threads out by split_k's rank chunks (kChunkThreads threads per chunk of p.chunk

@@ -542,7 +542,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           for (int j = 0; j < V; ++j) amax[j] = token_amax;
         } else if (p.chunk % 16 == 0) {
 #pragma unroll
-          for (int j = 0; j < V; ++j) amax[j] = half_warp_max_u32(amax_bits8(output_vector(j)));
+          for (int j = 0; j < V; ++j) amax[j] = half_warp_max_u32(amax_bits8(output_vector(j)), lane);
         } else {
           // The partials block is free here: every consumer read its partials (step 2) before step 4's
           // barrier, and the next token writes them only after the last barrier below. H / 128 <= 128 groups.

@@ -24,11 +24,15 @@ __device__ __forceinline__ uint32_t amax_bits8(uint4 v) {
 
 __device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) { return __reduce_max_sync(0xffffffffu, v); }
 
-// Max over aligned groups of 16 lanes (one 128-column group of 16 vectors).
-__device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v) {
-#pragma unroll
-  for (int m = 8; m > 0; m >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, m));
-  return v;
+// Max over aligned groups of 16 lanes (one 128-column group of 16 vectors; `lane` is the caller's lane): two
+// whole-warp reductions, each over one half's values with the other half's as 0 (which changes no max), issued
+// back to back; each lane takes its half's. The same bits as a butterfly of four shuffles, whose steps run one
+// after the other on every thread's critical path.
+__device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v, int lane) {
+  const bool upper = lane >= 16;
+  const uint32_t lower_max = __reduce_max_sync(0xffffffffu, upper ? 0u : v);
+  const uint32_t upper_max = __reduce_max_sync(0xffffffffu, upper ? v : 0u);
+  return upper ? upper_max : lower_max;
 }
 
 // x / s with IEEE division's codes, for the finite scales (exact: 1e-10 / 448 <= s <= FLT_MAX / 448, or powers of
