@@ -180,24 +180,34 @@ def test_every_racecheck_run_is_filtered_to_the_library_namespace(tmp_path):
     assert rc == 0, summary
     assert "kernel filter (racecheck, synccheck): kns=7attnres6detail" in summary
     runs = calls(tmp_path)
-    assert len(runs) == 6  # the two probes, the backend gtests in two processes, the finalize gtests, pytest
+    assert len(runs) == 5  # the two probes, the backend gtests, the finalize gtests, pytest
     for line in runs:
         assert "--kernel-name kns=7attnres6detail" in line, line
     # The mangled name of a kernel in attnres::detail (an anonymous inner namespace too) holds the substring.
     assert "7attnres6detail" in SYMBOLS.split("STO_ENTRY")[2] and "_GLOBAL__N_" in SYMBOLS.split("STO_ENTRY")[2]
 
 
-def test_racecheck_runs_the_persistent_graph_gtest_in_a_process_of_its_own(tmp_path):
-    """Its millions of ring reports once overflowed racecheck's hazard buffer and failed the gtests after it in the
-    same process."""
+FOCUSED = ("GpuSplitK.*:*AddDecodeT1*:*Add2TokenMajorT32*:*Add2SmallPadded*:*DeterministicWithAndWithoutPdlAndInAGraph*:"
+           "GpuPersistent.SubnormalsKept")
+
+
+def test_racecheck_leaves_out_the_persistent_graph_gtest(tmp_path):
+    """Its ring reports fill racecheck's hazard buffer and the context then fails, in any process it runs in."""
     rc, summary = run_sanitize(tmp_path, base_logs())
     assert rc == 0, summary
     backend = [line for line in calls(tmp_path) if "/cpp/tests/test_cuda_backend " in line]
-    assert len(backend) == 2, backend
-    assert backend[0].endswith("--gtest_filter=GpuSplitK.*:*AddDecodeT1*:*Add2TokenMajorT32*:*Add2SmallPadded*:"
-                               "*DeterministicWithAndWithoutPdlAndInAGraph*:GpuPersistent.SubnormalsKept"), backend[0]
-    assert backend[1].endswith("--gtest_filter=GpuPersistent.GraphReplayEqualsEager"), backend[1]
-    assert "ring only" in row(summary, "gtest_test_cuda_backend_ring_graph")
+    assert len(backend) == 1, backend
+    assert backend[0].endswith(f"--gtest_filter={FOCUSED}"), backend[0]
+
+
+def test_synccheck_runs_the_persistent_graph_gtest(tmp_path):
+    logs = base_logs(gtest_backend=(CLEAN + GTEST_OK, 0), pytest=(CLEAN + PYTEST_OK, 0))
+    rc, summary = run_sanitize(tmp_path, logs, SANITIZE_TOOLS="synccheck")
+    assert rc == 0, summary
+    backend = [line for line in calls(tmp_path) if "/cpp/tests/test_cuda_backend " in line]
+    assert len(backend) == 1, backend
+    assert backend[0].endswith(f"--gtest_filter={FOCUSED}:GpuPersistent.GraphReplayEqualsEager"), backend[0]
+    assert "clean" in row(summary, "gtest_test_cuda_backend", tool="synccheck")
 
 
 def test_several_filters_become_several_options(tmp_path):

@@ -166,8 +166,13 @@ GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
 # *Gpu* set under synccheck alone took 100 s of the 600 s a device call may run (2026-11-30).
 GTEST_RACE=${SANITIZE_GTEST_FILTER_RACECHECK:-GpuSplitK.*:*AddDecodeT1*:*Add2TokenMajorT32*:*Add2SmallPadded*:*DeterministicWithAndWithoutPdlAndInAGraph*:GpuPersistent.SubnormalsKept:GpuPersistent.GraphReplayEqualsEager}
 GTEST_MOE=${SANITIZE_GTEST_FILTER_MOE:-MoeFinalizeGpu.*}
-# Under racecheck this test of the focused set runs in a process of its own (section (a) below).
-RACE_ALONE=GpuPersistent.GraphReplayEqualsEager
+# racecheck leaves this test of the focused set out (synccheck and initcheck run it): its graph replays make
+# racecheck report the persistent ring's bulk copies until its hazard buffer is full ("Maximum number of hazards
+# reached"), after which the context fails ("unspecified launch failure"). In the gtest process it failed the nine
+# gtests after it (3ea960b: 1.29 M reports); in a process of its own it still failed itself (7664bd7, 2026-12-01,
+# passing in 2 s without the tool): a run that ends in the tool's own failure can show nothing. The ring under
+# racecheck is the persistent cases of the pytest step and GpuPersistent.SubnormalsKept.
+RACE_SKIP=GpuPersistent.GraphReplayEqualsEager
 
 # ---------------------------------------------------------------------------------------- running a step
 declare -a ROWS=()
@@ -379,14 +384,7 @@ for tool in $TOOLS; do
     # pinned allocations, which --leak-check reports by the thousand (2026-11-30: 4,664 "errors", all leaks).
     leak=()
     [[ $tool == memcheck ]] && leak=(--leak-check full)
-    if [[ $tool == racecheck && $suite == test_cuda_backend && $filter == *":$RACE_ALONE"* ]]; then
-      # The persistent kernel's graph test makes racecheck report the ring's bulk copies by the million (3ea960b:
-      # 1.29 M, "Maximum number of hazards reached", then an unspecified launch failure that failed the nine
-      # gtests after it): in a process of its own it cannot take the others down.
-      run_step "$tool" "gtest_$suite" "$bin" --gtest_filter="${filter/:$RACE_ALONE/}"
-      run_step "$tool" "gtest_${suite}_ring_graph" "$bin" --gtest_filter="$RACE_ALONE"
-      continue
-    fi
+    [[ $tool == racecheck && $suite == test_cuda_backend ]] && filter=${filter/:$RACE_SKIP/}
     run_step "$tool" "gtest_$suite" "${leak[@]}" "$bin" --gtest_filter="$filter"
   done
 
@@ -430,7 +428,7 @@ done
     echo "pytest -k (main, $size): ${SANITIZE_K_MAIN:-$(k_main "$size")}"
     echo "pytest -k (graphs, $size): ${SANITIZE_K_GRAPH:-$(k_graph "$size")}"
   done
-  echo "gtest filters: memcheck $GTEST_ALL; racecheck, synccheck, initcheck $GTEST_RACE; moe: $GTEST_MOE"
+  echo "gtest filters: memcheck $GTEST_ALL; synccheck, initcheck $GTEST_RACE; racecheck the same without $RACE_SKIP; moe: $GTEST_MOE"
   if (( ring_reports && !findings )); then
     echo "racecheck: the persistent ring's bulk-copy reports only, which it makes on the correct probe too (docs/reliability.md section 4)"
   fi
