@@ -145,7 +145,7 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
   uint32_t amax;
   if constexpr (FP8 == Fp8Mode::per_token) {
     // The block's maximum first, then one push per rank: every warp pushing its maximum to every rank instead
-    // (no barrier) measured 0.06-0.08 us slower at T <= 8, each block then receiving ranks x warps single-word
+    // (no barrier) measured 0.04-0.08 us slower at T <= 8, each block then receiving ranks x warps single-word
     // pushes (bench_results/h200_254fca4_fp8_noselect_ab.txt).
     const uint32_t w = warp_max_u32(mine);
     if (lane == 0) warp_amax[warp] = w;
