@@ -9,7 +9,8 @@ import torch
 
 import attnres
 
-from . import allreduce, chain, decode, finalize, floors, fp8, guard, persistent, persistent_variants, results, tp, tune
+from . import (allreduce, chain, decode, finalize, floors, fp8, guard, peers, persistent, persistent_variants, results, tp,
+               tune)
 
 
 def _progress_printer():
@@ -37,6 +38,9 @@ SUITES = {
     "persistent": "the persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
                   "12}, with and without the addend (about 3 minutes; not part of 'all'; --hidden sets H); "
                   "--variants: the kernel's geometry variants at T = 4096, 16384 x N = 2, 9 instead (about a minute)",
+    "peers": "the default options and every kernel forced, one addend, warm and cold L2, at the points of the "
+             "kernels issue's side-by-side table (against the peers' figures of that run) and T = 1024..16384 x "
+             "N = 2, 9, 12, H = 7168 (not part of 'all'; --quick: 5 points)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -150,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite == "fp8":
             records += fp8.run(quick=args.quick, options=attnres.Options(pdl=not args.no_pdl), progress=progress,
                                repeats=args.repeats, pow2=args.pow2)
+        if args.suite == "peers":
+            extra["floors"] = {"copy_tbs": floors.copy_bandwidth_tbs()}
+            records += peers.run(quick=args.quick, copy_tbs=extra["floors"]["copy_tbs"], progress=progress,
+                                 repeats=args.repeats)
         if args.suite == "persistent":
             copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
             extra.setdefault("floors", {})["copy_tbs"] = copy_tbs
@@ -178,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in persistent_variants.summary(records):
         print(line)
     for line in fp8.summary(records):
+        print(line)
+    for line in peers.summary(records):
         print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")

@@ -89,6 +89,11 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
     p5 = p5_target(records)
     if p5:
         rows.append(p5)
+    from .peers import target as peers_target
+
+    ahead = peers_target(records)
+    if ahead:
+        rows.append(ahead)
     p6 = _chain_target(records)
     if p6:
         rows.append(p6)

@@ -1,0 +1,96 @@
+"""The peers suite's code that runs without a GPU (python/attnres/bench/peers.py): its points (the kernels issue's
+table and the persistent range), the warm regime's set count, the providers a point is timed on, the comparison
+with the peers' figures and the target read from records, the summary, and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.bench import peers, results
+from attnres.bench.__main__ import main as bench_main
+
+ISSUE_POINTS = {(1, 1), (1, 2), (1, 5), (1, 9), (1, 12), (8, 9), (32, 9), (128, 9), (1024, 9), (4096, 2), (4096, 9)}
+
+
+def test_points_are_the_issue_table_and_the_persistent_range():
+    pts = peers.points()
+    assert set(peers.PEERS) == ISSUE_POINTS
+    assert set(pts) == ISSUE_POINTS | {(T, N) for T in (1024, 4096, 16384) for N in (2, 9, 12)}
+    assert len(pts) == len(set(pts)) == 17 and pts == sorted(pts)
+    quick = peers.points(quick=True)
+    assert set(quick) < set(pts) and set(quick) <= ISSUE_POINTS
+    # Every peer figure beats vLLM's or is vLLM's own.
+    assert all(p.best_us <= p.vllm_us for p in peers.PEERS.values())
+
+
+def test_warm_sets_fit_in_half_the_l2():
+    l2 = 60 * 2**20
+    assert peers.warm_sets(1000, l2) == 8  # capped
+    assert peers.warm_sets(l2 // 2 // 3, l2) == 3
+    assert peers.warm_sets(l2 // 2, l2) == 1
+    assert peers.warm_sets(l2 // 2 + 1, l2) == 0  # no warm regime: one set alone is more than half the L2
+    # T = 128, N = 9 has a warm regime on an H200-size L2, T = 1024 does not.
+    assert peers.warm_sets(peers.op_bytes(128, 9, 7168, True), l2) >= 1
+    assert peers.warm_sets(peers.op_bytes(1024, 9, 7168, True), l2) == 0
+
+
+def test_providers_are_the_kernels_the_plan_accepts():
+    got = {pt: list(peers._providers(*pt, 7168, device="h200")) for pt in [(1, 1), (1, 9), (4096, 2), (16384, 12)]}
+    assert got[(1, 1)] == ["attnres/default", "attnres/split_k", "attnres/single_cta", "attnres/persistent"]
+    assert got[(1, 9)] == ["attnres/default", "attnres/split_k", "attnres/persistent"]  # single_cta: N <= 4
+    assert got[(4096, 2)] == got[(1, 1)]
+    assert got[(16384, 12)] == got[(1, 9)]
+
+
+def _rec(T, N, us, provider="attnres/default", regime="warm", kernel="split_k"):
+    peer = peers.PEERS.get((T, N))
+    return {"suite": "peers", "provider": provider, "regime": regime, "T": T, "N": N, "H": 7168,
+            "median_us": us, "p10_us": us, "p90_us": us, "pct_copy": 50.0, "default_kernel": kernel,
+            "peer_best_us": peer.best_us if peer else None, "peer_best": peer.best if peer else None,
+            "peer_vllm_us": peer.vllm_us if peer else None}
+
+
+def test_comparison_takes_the_default_warm_figure_else_cold():
+    recs = [_rec(1, 9, 2.0), _rec(1, 9, 3.0, regime="cold"), _rec(1, 9, 1.0, provider="attnres/split_k"),
+            _rec(4096, 2, 90.0, regime="cold", kernel="single_cta"),  # no warm regime there
+            _rec(16384, 9, 900.0, regime="cold"),  # no peer figure: not compared
+            {"suite": "decode", "provider": "attnres/add", "T": 1, "N": 9}]
+    rows = peers.comparison(recs)
+    assert [(r["T"], r["N"], r["regime"], r["ours_us"]) for r in rows] == [(1, 9, "warm", 2.0), (4096, 2, "cold", 90.0)]
+    assert rows[0]["ratio"] == pytest.approx(2.0 / 6.38) and rows[1]["ratio"] == pytest.approx(90.0 / 79.5)
+    assert rows[1]["kernel"] == "single_cta" and rows[1]["peer"].startswith("FlagGems")
+
+
+def test_target_is_met_only_when_ahead_everywhere():
+    ahead = [_rec(1, 9, 2.0), _rec(128, 9, 10.0)]
+    row = peers.target(ahead)
+    assert row[0] == "peers" and row[3] is True and "ahead at 2 of 2 points" in row[2]
+    behind = ahead + [_rec(4096, 2, 85.6, regime="cold")]
+    row = peers.target(behind)
+    assert row[3] is False and "ahead at 2 of 3" in row[2] and "T=4096 N=2" in row[2] and "1.08x" in row[2]
+    level = [_rec(1, 1, 2.21)]  # level is not ahead
+    assert peers.target(level)[3] is False
+    assert peers.target([{"suite": "decode"}]) is None
+    assert any(r[0] == "peers" for r in results.targets(behind))
+
+
+def test_summary_lines():
+    recs = [_rec(1, 9, 2.0), _rec(1, 9, 3.0, regime="cold"), _rec(1, 9, 2.5, provider="attnres/split_k"),
+            _rec(16384, 9, 900.0, regime="cold", kernel="persistent")]
+    lines = peers.summary(recs)
+    assert lines[0].startswith("peers: µs per call")
+    row19 = next(line for line in lines if line.split()[:2] == ["1", "9"])
+    assert "2.00 / 3.00" in row19 and "6.38" in row19 and "7.09" in row19 and "0.31x" in row19
+    row_big = next(line for line in lines if line.split()[:2] == ["16384", "9"])
+    assert "persistent" in row_big and "- / 900.0" in row_big and row_big.rstrip().endswith("-")
+    assert peers.summary([{"suite": "decode"}]) == []
+
+
+def test_cli(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--help"])
+    assert exc.value.code == 0 and "  peers       the default options and every kernel forced" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert bench_main(["peers", "--quick"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
