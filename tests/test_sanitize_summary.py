@@ -263,3 +263,33 @@ def test_regex_filter_is_a_search_in_the_mangled_name(tmp_path):
     rc, summary = run_sanitize(tmp_path, base_logs(), symbols=SYMBOLS, SANITIZE_KERNEL_FILTER="regex=one_shot_all_r.duce")
     assert rc == 0, summary
     assert "regex=one_shot_all_r.duce: 1 of 3 entries" in row(summary, "static check", tool="filter")
+
+
+def _pytest_calls(tmp_path: Path) -> list[str]:
+    return [line for line in calls(tmp_path) if "-m pytest" in line]
+
+
+def test_initcheck_runs_the_in_process_world_with_the_caching_allocator(tmp_path):
+    """Under initcheck a fresh cudaMalloc between two ranks' launches waited for the device, so the uncached step
+    would time the world's exchange out: its cases go to the graph step's process (caching allocator)."""
+    ok = "========= ERROR SUMMARY: 0 errors\n"
+    logs = base_logs(gtest_backend=(ok + GTEST_OK, 0), gtest_moe=(ok + "[  PASSED  ] 1 test.\n", 0),
+                     pytest=(ok + PYTEST_OK, 0))
+    run_sanitize(tmp_path, logs, SANITIZE_TOOLS="initcheck")
+    uncached, cached = _pytest_calls(tmp_path)
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in uncached and "PYTORCH_NO_CUDA_MEMORY_CACHING" not in cached
+    assert "contract_bitwise" not in uncached and "test_all_reduce and" not in uncached
+    assert "contract_bitwise" in cached and "pdl_chain_plain_one_kernel" in cached and "rank_that_never_arrives" in cached
+    assert "test_ops_oracle" in uncached and "test_fp8" in uncached  # the rest of the main subset stays uncached
+    summary = (tmp_path / "out" / "sanitize_summary.txt").read_text()
+    assert "initcheck: the in-process all-reduce world runs in the graph step's process" in summary
+
+
+def test_memcheck_keeps_the_in_process_world_uncached(tmp_path):
+    ok = "========= ERROR SUMMARY: 0 errors\n"
+    logs = base_logs(gtest_backend=(ok + GTEST_OK, 0), gtest_moe=(ok + "[  PASSED  ] 1 test.\n", 0),
+                     pytest=(ok + PYTEST_OK, 0))
+    run_sanitize(tmp_path, logs, SANITIZE_TOOLS="memcheck", SANITIZE_STRESS_CALLS="0")
+    uncached, cached = _pytest_calls(tmp_path)
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING=1" in uncached and "contract_bitwise" in uncached
+    assert "contract_bitwise" not in cached

@@ -117,7 +117,24 @@ tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the li
 
 # ---------------------------------------------------------------------------------------- the subsets
 # pytest -k expressions over node names and parameter ids (module names are keywords too).
-k_main() {  # $1 size
+# The one-shot all-reduce, every size: the in-process world of ranks on one GPU (each rank's kernel on its own
+# stream) — the contract at W = 2, 4, 8, the fused sites, the fused MoE finalize and its CUDA-only rejections, a
+# PDL chain with the plain ops — and the fault injection (a rank that never arrives, in a child process of
+# its own, which --target-processes all instruments too). Graph replay and the W processes exchanging IPC
+# handles are in the graph subsets (the caching allocator; the IPC world only at size large: W processes
+# under a sanitizer, time-sliced on one GPU, each spin wait progressing only at a context switch).
+# The one-kernel fused site (test_all_reduce_design.py, whose names the test_all_reduce filter matches too):
+# both designs against the plain op in process, its PDL chain and its fault injection.
+K_ALLREDUCE="(test_all_reduce and ((cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce or designs_equal_the_plain_op)) or pdl_chain_with_plain_ops or pdl_chain_plain_one_kernel or rank_that_never_arrives))"
+# initcheck runs the in-process world with the caching allocator (in the graph step's process), not uncached:
+# the world's ranks exchange only while every rank's kernel runs, so nothing between one rank's launch and the
+# next may wait for the device (tp/communicator.py, InProcessWorld), and under initcheck a fresh cudaMalloc
+# between the ranks' launches did: with PYTORCH_NO_CUDA_MEMORY_CACHING=1 rank 0's exchange timed out (10 s) and
+# its outputs stayed unwritten in every in-process case (10 failed, 3424d44, 2026-12-01), while the same
+# contract case passed clean under initcheck with the caching allocator and under memcheck uncached (b1e3708).
+WORLD_CACHED_TOOLS=" initcheck "
+
+k_main() {  # $1 size, $2 tool
   local oracle moe chain
   case $1 in
     small)
@@ -137,19 +154,13 @@ k_main() {  # $1 size
   # and the decline path always, the oracle grid's T = 33 and T = 300 cases from medium up.
   local persistent="subnormal_sums or add2_is_declined"
   [[ $1 != small ]] && persistent="$persistent or (against_the_oracle and (T33 or T300))"
-  # The one-shot all-reduce, every size: the in-process world of ranks on one GPU (each rank's kernel on its own
-  # stream) — the contract at W = 2, 4, 8, the fused sites, the fused MoE finalize and its CUDA-only rejections, a
-  # PDL chain with the plain ops — and the fault injection (a rank that never arrives, in a child process of
-  # its own, which --target-processes all instruments too). Graph replay and the W processes exchanging IPC
-  # handles are in the graph subsets (the caching allocator; the IPC world only at size large: W processes
-  # under a sanitizer, time-sliced on one GPU, each spin wait progressing only at a context switch).
-  # The one-kernel fused site (test_all_reduce_design.py, whose names the test_all_reduce filter matches too):
-  # both designs against the plain op in process, its PDL chain and its fault injection.
-  local allreduce="(test_all_reduce and ((cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce or designs_equal_the_plain_op)) or pdl_chain_with_plain_ops or pdl_chain_plain_one_kernel or rank_that_never_arrives))"
+  local allreduce=" or $K_ALLREDUCE"
+  [[ $WORLD_CACHED_TOOLS == *" ${2:-} "* ]] && allreduce=""
   local fp8="(test_fp8 and ((matches_quantized_bf16_output and cuda) or split_k_groups_across_blocks or persistent_every_vector_bucket))"
-  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)) or (test_persistent and ($persistent)) or $allreduce or $fp8)"
+  echo "not graph and not capture and ((test_ops_oracle and ($oracle)) or test_bitwise or (test_moe_finalize and ($moe)) or (test_chain and ($chain)) or (test_persistent and ($persistent))$allreduce or $fp8)"
 }
-k_graph() {
+k_graph() {  # $1 size, $2 tool
+  [[ $WORLD_CACHED_TOOLS == *" ${2:-} "* ]] && echo -n "$K_ALLREDUCE or "
   case $1 in
     small) echo "(test_cuda_graphs_pdl and (1-5-7168 or newest_bank_row and 1-7168)) or (test_moe_finalize and graph) or (test_pdl_release and (split_k-per_token or persistent-finalize+per_token))" ;;
     large) echo "test_cuda_graphs_pdl or (test_moe_finalize and graph) or (test_stress and cuda) or (test_all_reduce and (graph_replay or processes_on_one_gpu))" ;;
@@ -389,8 +400,8 @@ for tool in $TOOLS; do
   done
 
   # (b) pytest: the non-graph subset (uncached allocations where the tool reads allocations), then graphs
-  kmain=${SANITIZE_K_MAIN:-$(k_main "$size")}
-  kgraph=${SANITIZE_K_GRAPH:-$(k_graph "$size")}
+  kmain=${SANITIZE_K_MAIN:-$(k_main "$size" "$tool")}
+  kgraph=${SANITIZE_K_GRAPH:-$(k_graph "$size" "$tool")}
   pytest_cmd=(python3 -m pytest -q -p no:cacheprovider -m gpu)
   if [[ $tool == memcheck || $tool == initcheck ]]; then
     run_step "$tool" pytest_uncached env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "${pytest_cmd[@]}" -k "$kmain" "${MAIN_FILES[@]}"
@@ -427,6 +438,9 @@ done
   for size in $(for t in $TOOLS; do size_of "$t"; echo; done | sort -u); do
     echo "pytest -k (main, $size): ${SANITIZE_K_MAIN:-$(k_main "$size")}"
     echo "pytest -k (graphs, $size): ${SANITIZE_K_GRAPH:-$(k_graph "$size")}"
+  done
+  for t in $TOOLS; do
+    [[ $WORLD_CACHED_TOOLS == *" $t "* ]] && echo "$t: the in-process all-reduce world runs in the graph step's process (caching allocator), not uncached"
   done
   echo "gtest filters: memcheck $GTEST_ALL; synccheck, initcheck $GTEST_RACE; racecheck the same without $RACE_SKIP; moe: $GTEST_MOE"
   if (( ring_reports && !findings )); then
