@@ -1,12 +1,14 @@
 """The automatic topology (the default Options): the kernel changes with T, the bits of a token do not.
 
-With `Options()` a one-addend call of T >= tuning::kAutomaticPersistentMinTokens (4096) tokens runs on the
-persistent kernel where its plan takes two blocks per SM (H = 7168 does), smaller calls and calls without the
-addend on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's order, so a token's
-`updated` and `output` must be the same bits whatever T the call has. Checked at T = 1 ... 16384 (across the
-crossover: 4095, 4096, 4097) against the 16384-token call, with and without the addend, on tokens taken from the
-start, the middle and the end of the batch; the persistent calls are also checked against split_k forced on
-the same tokens.
+With `Options()` a one-addend call runs on the persistent kernel where its plan takes two blocks per SM (H = 7168
+does) from the T the H200 measured it faster for the call's N (tuning::automatic_persistent_min_tokens: at
+H = 7168 T >= 512 for N = 9, T >= 256 for N = 5..8 and 10, T >= 4096 for N <= 4, never for N > 10), smaller calls
+and calls without the addend on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
+order, so a token's `updated` and `output` must be the same bits whatever T the call has. Checked at T = 1 ...
+16384 for N = 9 (across the crossover: 511, 512, 513) against the 16384-token call, with and without the addend,
+on tokens taken from the start, the middle and the end of the batch; the persistent calls are also checked
+against split_k forced on the same tokens, and so are the default's calls at N = 6 and 12 around their
+crossovers.
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def _call(b, lo: int, hi: int, add: bool):
     return [attnres.attn_res_rmsnorm(b["prefix"][lo:hi], b["bank"][:, lo:hi], *w)]
 
 
-CROSSOVER = 4096
-T_GRID = (1, 2, 31, 128, 1000, CROSSOVER - 1, CROSSOVER, CROSSOVER + 1, 8192, T_MAX - 1)
+CROSSOVER = 512  # N = 9 at H = 7168
+T_GRID = (1, 2, 31, 128, CROSSOVER - 1, CROSSOVER, CROSSOVER + 1, 1000, 4096, 8192, T_MAX - 1)
 
 
 def _kernel_at(op: str, T: int, add: bool) -> str:
@@ -72,10 +74,28 @@ def test_persistent_default_matches_forced_split_k_across_the_crossover(batch):
     """The default's persistent calls (two blocks per SM) give split_k's bits on the same tokens."""
     w = (batch["res_w"], batch["rms_w"], batch["norm_w"], 1e-5, 1e-5)
     split_k = attnres.Options(kernel="split_k")
-    for T in (CROSSOVER, CROSSOVER + 1, T_MAX):
+    for T in (CROSSOVER, CROSSOVER + 1, 4096, T_MAX):
         assert _kernel_at("attn_res_add_rmsnorm", T, True) == "persistent", T
         args = (batch["prefix"][:T], batch["add"][:T], batch["bank"][:, :T], *w)
         got = attnres.attn_res_add_rmsnorm(*args)
         want = attnres.attn_res_add_rmsnorm(*args, options=split_k)
         for i, (g, f) in enumerate(zip(got, want)):
             assert_same_bits(g, f, f"attn_res_add_rmsnorm output #{i} at T = {T}: default (persistent) vs split_k")
+
+
+@pytest.mark.parametrize("n, crossover", [(6, 256), (12, None)], ids=["N6", "N12"])
+def test_default_matches_forced_split_k_at_other_n(batch, n, crossover):
+    """Below the top of a bucket (N = 6) the default takes the persistent kernel from T = 256; at N = 12 never.
+    Either way the bits are split_k's."""
+    g = torch.Generator(device="cuda").manual_seed(n)
+    bank = (2.0 * torch.randn(n - 1, 1024, H, generator=g, device="cuda")).to(BF16)
+    w = (batch["res_w"], batch["rms_w"], batch["norm_w"], 1e-5, 1e-5)
+    split_k = attnres.Options(kernel="split_k")
+    for T in (255, 256, 1024):
+        kernel = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=n, hidden=H, device="cuda", add=True).kernel
+        assert kernel == ("persistent" if crossover is not None and T >= crossover else "split_k"), (n, T, kernel)
+        args = (batch["prefix"][:T], batch["add"][:T], bank[:, :T], *w)
+        got = attnres.attn_res_add_rmsnorm(*args)
+        want = attnres.attn_res_add_rmsnorm(*args, options=split_k)
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_same_bits(a, b, f"output #{i} at N = {n}, T = {T}: default ({kernel}) vs split_k")

@@ -104,6 +104,27 @@ def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(o
     if op != "attn_res":
         p = plan(4096, 2, 7168, fp8="per_token")
         assert p.kernel in ("split_k", "persistent") and p.smem_bytes == 0, p
-    # N = 9 keeps the persistent kernel's rule (one addend, T >= 4096).
+    # N = 9 keeps the persistent kernel's rule (one addend, T >= 512 at H = 7168).
     if flags == {"add": True}:
         assert plan(4096, 9, 7168).kernel == "persistent"
+
+
+@pytest.mark.parametrize("H", [7168, 4096])
+def test_automatic_takes_the_persistent_kernel_by_n_and_t(H):
+    """One addend, two blocks per SM: persistent from the T measured for N (at H > 4096; T >= 4096 at H <= 4096
+    and for N <= 4), never for N > 10 or without the addend or with two; the streaming single_cta first for
+    N <= 2 at H > 4096."""
+    def kernel(T, N, **flags):
+        return attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=N, hidden=H, device="h200",
+                            **({"add": True} | flags)).kernel
+    big = H > 4096
+    for N in range(1, 17):
+        start = None if N > 10 else 4096 if N <= 4 or not big else 512 if N == 9 else 256
+        for T in (1, 128, 255, 256, 511, 512, 1024, 4095, 4096, 16384):
+            want = "persistent" if start is not None and T >= start else "split_k"
+            if N <= 2 and big and T >= 256:
+                want = "single_cta"
+            assert kernel(T, N) == want, (H, N, T)
+            assert kernel(T, N, add2=True) in ("split_k", "single_cta"), (H, N, T)
+        assert attnres.plan("attn_res_rmsnorm", tokens=16384, candidates=N, hidden=H, device="h200").kernel in (
+            "split_k", "single_cta"), (H, N)

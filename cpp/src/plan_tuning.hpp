@@ -117,17 +117,45 @@ constexpr int32_t split_k_chunk(int64_t hidden) {
 constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
 // The automatic topology: the persistent kernel where it was measured faster than split_k — one addend (no
-// add2), T >= kAutomaticPersistentMinTokens, and only on the two-blocks-per-SM geometry (the persistent plan's
-// for the call: `two_blocks_per_sm`); the per-token kernels everywhere else. Measured on the H200
-// (bench_results/h200_dbab092_persistent_variants.json, H = 7168, add, us per call, CUDA-graph replay): two
-// blocks vs split_k 107.8 vs 111.2 at T = 4096, N = 2; 401.0 vs 430.7 at T = 16384, N = 2; 238.1 vs 259.6 at
-// T = 4096, N = 9; 926.7 vs 1022.7 at T = 16384, N = 9. One block per SM was slower than split_k at every
-// point (629.8 vs 430.7 at T = 16384, N = 2), and so was the persistent kernel without the addend
-// (bench_results/h200_c99ff4f_persistent_quick.json: 1089 vs 980 us at T = 16384, N = 9). Below T = 4096 the two-blocks
-// geometry was not measured; one block was not faster there (85 vs 84 us at T = 1024, N = 9).
-constexpr int64_t kAutomaticPersistentMinTokens = 4096;
-constexpr bool automatic_prefers_persistent(int64_t tokens, bool add, bool two_blocks_per_sm) {
-  return add && two_blocks_per_sm && tokens >= kAutomaticPersistentMinTokens;
+// add2), on the two-blocks-per-SM geometry (the persistent plan's for the call: `two_blocks_per_sm`), and
+// T >= automatic_persistent_min_tokens(N, H); the per-token kernels everywhere else. The bits are the same either
+// way (both reduce in split_k's order). What decides it: the persistent kernel's time grows with N (it streams
+// the N - 1 bank rows, the prefix and the addend), split_k's with its candidate bucket (kCandidateBuckets: its
+// instance computes the whole bucket, zero rows included). Measured on the H200
+// (bench_results/h200_b1e3708_topology_grid.json and h200_3424d44_peers*.json: H = 7168, add, cold L2,
+// CUDA-graph replay, us per call, persistent vs split_k):
+//   * N = 5..8 and 10 (below the top of split_k's bucket of 9 or 12): persistent faster from T = 256 on (T = 256:
+//     15.0-17.2 vs 18.1-18.5 at N = 6..8, 19.5 vs 21.0 at N = 10; T = 1024: 45.1 vs 63.5 at N = 6, 69.4 vs 75.3 at
+//     N = 10; T = 4096: 164.5 vs 245.0 at N = 6, 272.7 vs 292.4 at N = 10; N = 5: 15.1 vs 18.9 at T = 256, 86.1 vs
+//     129.0 at 2048); slower at T = 128 (warm: 9.2-11.8 vs 8.8-10.6).
+//   * N = 9 (the bucket's top): 2 % slower at T = 256 (21.5 vs 21.0), faster from 512 (36.9 vs 38.2; 1024 level,
+//     72.4 vs 72.2; 4096: 236.6 vs 254.6; 16384: 942.6 vs 1012.7).
+//   * N = 3, 4 (the bucket of 4): slower below T = 4096 (T = 256: 11.3 vs 10.3 at N = 3; 1024: 37.1 vs 35.3 at
+//     N = 4), faster or level at 4096 (119.8 vs 130.8, 132.5 vs 133.4); N <= 2 stream (prefer_single_cta) where
+//     H > 4096, and the persistent kernel beat split_k at T = 4096 there (bench_results/
+//     h200_dbab092_persistent_variants.json: 107.8 vs 111.2).
+//   * N >= 11: slower at every T measured (T = 1024: 79.0 vs 76.1 at N = 11, 97.6 vs 87.5 at 13; T = 4096: 306.6
+//     vs 295.8 at N = 11, 350.8 vs 306.7 at 12, 479.3 vs 347.8 at 16): each row costs it ~2.5x its transfer time
+//     (docs/performance.md, the throughput model), while split_k's bucket of 12 or 16 adds little over 9's.
+// One block per SM was slower than split_k at every point (629.8 vs 430.7 at T = 16384, N = 2), and so was the
+// persistent kernel without the addend (bench_results/h200_c99ff4f_persistent_quick.json: 1089 vs 980 us at
+// T = 16384, N = 9). The thresholds below T = 4096 were measured at H = 7168 only and are taken where the
+// per-token kernels run as they do there (H > 4096, split_k's cluster of more than four blocks); at H <= 4096
+// the rule keeps T >= 4096 and the same range of N.
+constexpr int64_t kAutomaticPersistentMinTokens = 4096;      // N <= 4, and every N at H <= 4096
+constexpr int64_t kAutomaticPersistentBelowBucketMinTokens = 256;  // N = 5..8, 10 at H > 4096
+constexpr int64_t kAutomaticPersistentFullBucketMinTokens = 512;   // N = 9 at H > 4096
+constexpr int64_t kAutomaticPersistentMaxCandidates = 10;
+constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;  // H > 4096: the thresholds below T = 4096
+constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
+constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden) {
+  if (candidates > kAutomaticPersistentMaxCandidates) return kNeverPersistent;
+  if (candidates <= 4 || hidden < kAutomaticPersistentMeasuredMinHidden) return kAutomaticPersistentMinTokens;
+  return candidates == 9 ? kAutomaticPersistentFullBucketMinTokens : kAutomaticPersistentBelowBucketMinTokens;
+}
+constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden, bool add,
+                                            bool two_blocks_per_sm) {
+  return add && two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden);
 }
 
 // The fused all-reduce site's automatic design (all_reduce_attn_res_add_rmsnorm): one kernel (the per-token

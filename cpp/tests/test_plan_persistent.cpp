@@ -345,19 +345,37 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(p.slots, 3);
 }
 
-// The automatic topology's rule, a pure function: persistent only with one addend, at T >= 4096, on the
-// two-blocks geometry.
+// The automatic topology's rule, a pure function: persistent only with one addend, on the two-blocks geometry,
+// from the measured T for the call's N (at H > 4096; T >= 4096 at smaller H and for N <= 4), never for N > 10.
 TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
   EXPECT_EQ(tuning::kAutomaticPersistentMinTokens, 4096);
-  static_assert(tuning::automatic_prefers_persistent(4096, true, true), "the measured crossover");
-  EXPECT_TRUE(tuning::automatic_prefers_persistent(16384, true, true));
-  EXPECT_FALSE(tuning::automatic_prefers_persistent(4095, true, true));
-  EXPECT_FALSE(tuning::automatic_prefers_persistent(4096, false, true));
-  EXPECT_FALSE(tuning::automatic_prefers_persistent(4096, true, false));
-  EXPECT_FALSE(tuning::automatic_prefers_persistent(1 << 26, true, false));
+  static_assert(tuning::automatic_prefers_persistent(4096, 9, 7168, true, true), "the measured crossover");
+  static_assert(tuning::automatic_prefers_persistent(512, 9, 7168, true, true), "N = 9 from T = 512");
+  static_assert(!tuning::automatic_prefers_persistent(511, 9, 7168, true, true), "N = 9 below T = 512");
+  struct Case {
+    int64_t n, hidden, min_tokens;
+  };
+  const int64_t never = tuning::kNeverPersistent;
+  for (const Case c : {Case{1, 7168, 4096}, Case{2, 7168, 4096}, Case{3, 7168, 4096}, Case{4, 7168, 4096},
+                       Case{5, 7168, 256}, Case{6, 7168, 256}, Case{8, 7168, 256}, Case{9, 7168, 512},
+                       Case{10, 7168, 256}, Case{11, 7168, never}, Case{12, 7168, never}, Case{16, 7168, never},
+                       Case{5, 4104, 256}, Case{5, 4096, 4096}, Case{9, 2048, 4096}, Case{10, 1024, 4096},
+                       Case{11, 2048, never}}) {
+    SCOPED_TRACE(testing::Message() << "N = " << c.n << ", H = " << c.hidden);
+    EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, c.hidden), c.min_tokens);
+    if (c.min_tokens != never) {
+      EXPECT_TRUE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, true, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens - 1, c.n, c.hidden, true, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, false, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, true, false));
+    }
+    EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, c.n, c.hidden, true, false));
+  }
+  EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, 11, 7168, true, true));
 }
 
-// Through the plan on a described H200: T = 4095 / 4096 with and without the two-blocks geometry; FP8 (no
+// Through the plan on a described H200: N = 9 at the crossover (T = 512 at H > 4096, 4096 below) with and
+// without the two-blocks geometry; FP8 (no
 // two-blocks instance) and add2 stay per-token; explicit one block keeps the per-token kernels too.
 TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   const AttnResOp add = AttnResOp::attn_res_add_rmsnorm;
@@ -371,9 +389,10 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   };
   for (int64_t H : {int64_t{7168}, int64_t{2304}, int64_t{4096}}) {
     SCOPED_TRACE("H=" + std::to_string(H));
-    EXPECT_EQ(kernel(4096, H), KernelKind::persistent);
+    const int64_t from = H > 4096 ? 512 : 4096;
+    EXPECT_EQ(kernel(from, H), KernelKind::persistent);
     EXPECT_EQ(kernel(16384, H), KernelKind::persistent);
-    EXPECT_EQ(kernel(4095, H), KernelKind::split_k);
+    EXPECT_EQ(kernel(from - 1, H), KernelKind::split_k);
     EXPECT_EQ(kernel(1, H), KernelKind::split_k);
   }
   const Plan p = attnres::plan(query(add, 4096, 9, 7168, true), h200(), Options{});
@@ -396,8 +415,8 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   EXPECT_EQ(kernel(16384, 7168, Fp8Scales::none, one_block()), KernelKind::split_k);
   Options two;
   two.persistent_blocks_per_sm = 2;
-  EXPECT_EQ(kernel(4096, 7168, Fp8Scales::none, two), KernelKind::persistent);
-  EXPECT_EQ(kernel(4095, 7168, Fp8Scales::none, two), KernelKind::split_k);
+  EXPECT_EQ(kernel(512, 7168, Fp8Scales::none, two), KernelKind::persistent);
+  EXPECT_EQ(kernel(511, 7168, Fp8Scales::none, two), KernelKind::split_k);
   // add2 stays per-token (the persistent kernel declines it), never a decline.
   PlanQuery q = query(add, 16384, 9, 7168, true);
   q.add2 = true;
@@ -437,7 +456,14 @@ TEST(PlanPersistent, AutomaticTopologyRoutesByTheMeasuredCrossover) {
   const int64_t big = attnres::tuning::kAutomaticPersistentMinTokens;
   const attnres::AttnResOp add = attnres::AttnResOp::attn_res_add_rmsnorm, norm = attnres::AttnResOp::attn_res_rmsnorm;
   EXPECT_EQ(attnres::plan(attnres_test::query(add, big, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
-  EXPECT_EQ(attnres::plan(attnres_test::query(add, big - 1, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 511, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 512, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 256, 6, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 255, 6, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, big - 1, 4, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, big, 4, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  // N > 10: split_k at every T (it measured faster from T = 128 to 16384 at N = 11, 12, 13, 16).
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 16384, 12, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   EXPECT_EQ(attnres::plan(attnres_test::query(norm, big, 9, 7168, false), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   attnres::PlanQuery q = attnres_test::query(add, big, 9, 7168, true);
   q.add2 = true;  // the persistent kernel declines add2: auto stays per-token instead of declining
