@@ -9,8 +9,8 @@ import torch
 
 import attnres
 
-from . import (allreduce, chain, decode, finalize, floors, fp8, guard, peers, persistent, persistent_variants, results, tp,
-               tune)
+from . import (allreduce, chain, decode, finalize, floors, fp8, guard, peers, persistent, persistent_variants, results,
+               topology, tp, tune)
 
 
 def _progress_printer():
@@ -41,6 +41,8 @@ SUITES = {
     "peers": "the default options and every kernel forced, one addend, warm and cold L2, at the points of the "
              "kernels issue's side-by-side table (against the peers' figures of that run) and T = 1024..16384 x "
              "N = 2, 9, 12, H = 7168 (not part of 'all'; --quick: 5 points)",
+    "topology": "the automatic topology against every kernel forced, one addend, cold L2, T = 128..4096 x N = "
+                "3..16, H = 7168 (about 2 minutes; not part of 'all'; --quick: 15 points)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             extra["floors"] = {"copy_tbs": floors.copy_bandwidth_tbs()}
             records += peers.run(quick=args.quick, copy_tbs=extra["floors"]["copy_tbs"], progress=progress,
                                  repeats=args.repeats)
+        if args.suite == "topology":
+            records += topology.run(quick=args.quick, progress=progress, repeats=args.repeats)
         if args.suite == "persistent":
             copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
             extra.setdefault("floors", {})["copy_tbs"] = copy_tbs
@@ -188,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in fp8.summary(records):
         print(line)
     for line in peers.summary(records):
+        print(line)
+    for line in topology.summary(records):
         print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")

@@ -97,14 +97,15 @@ def _call(s, opts: attnres.Options):
     return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=opts)
 
 
-def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int) -> list[dict]:
+def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str = "peers",
+              regimes: tuple[str, ...] = REGIMES) -> list[dict]:
     nbytes = op_bytes(T, N, H, True)
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     providers = _providers(T, N, H)
     default_plan = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=N, hidden=H, device="cuda", add=True,
                                 options=attnres.Options())
     records = []
-    for regime in REGIMES:
+    for regime in regimes:
         count = warm_sets(nbytes, l2) if regime == "warm" else rotating_sets(nbytes, minimum=1)
         if count == 0:
             continue
@@ -117,7 +118,7 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int) -> list[dic
         for name, t in timings.items():
             gbps = nbytes / (t.median_us * 1e-6) / 1e9
             records.append({
-                "suite": "peers", "provider": name, "regime": regime, "T": T, "N": N, "H": H, "sets": len(sets),
+                "suite": suite, "provider": name, "regime": regime, "T": T, "N": N, "H": H, "sets": len(sets),
                 "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs, "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0),
                 "default_kernel": default_plan.kernel,
                 "peer_best_us": peer.best_us if peer else None, "peer_best": peer.best if peer else None,

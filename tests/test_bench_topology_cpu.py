@@ -1,0 +1,64 @@
+"""The topology suite's code that runs without a GPU (python/attnres/bench/topology.py): its grid, the rows and the
+target read from records (the default within 3% of the fastest forced kernel), the summary, and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnres.bench import results, topology
+from attnres.bench.__main__ import main as bench_main
+
+
+def test_grid():
+    pts = topology.points()
+    assert {T for T, _ in pts} == {128, 256, 512, 1024, 2048, 4096}
+    assert {N for _, N in pts} == set(range(3, 17)) and len(pts) == 6 * 14 == len(set(pts))
+    quick = topology.points(quick=True)
+    assert set(quick) < set(pts) and len(quick) == 15
+
+
+def _rec(T, N, provider, us, kernel="split_k", regime="cold"):
+    return {"suite": "topology", "provider": provider, "regime": regime, "T": T, "N": N, "H": 7168,
+            "median_us": us, "default_kernel": kernel}
+
+
+def _point(T, N, default_us, kernel, **forced):
+    return [_rec(T, N, "attnres/default", default_us, kernel)] + [
+        _rec(T, N, f"attnres/{name}", us, kernel) for name, us in forced.items()]
+
+
+def test_rows_and_target():
+    recs = (_point(1024, 6, 45.1, "persistent", split_k=63.5, persistent=45.0)
+            + _point(4096, 12, 298.3, "split_k", split_k=298.0, persistent=342.2)
+            + [_rec(1024, 6, "attnres/default", 1.0, "persistent", regime="warm")])
+    got = topology.rows(recs)
+    assert [(r["T"], r["N"], r["best"]) for r in got] == [(1024, 6, "persistent"), (4096, 12, "split_k")]
+    assert got[0]["ratio"] == pytest.approx(45.1 / 45.0)
+    row = topology.target(recs)
+    assert row[0] == "topology" and row[3] is True and "within 3% at 2 of 2 points" in row[2]
+    slow = recs + _point(4096, 16, 479.3, "persistent", split_k=347.8, persistent=479.3)
+    row = topology.target(slow)
+    assert row[3] is False and "1 of 3" not in row[2] and "2 of 3" in row[2] and "T=4096 N=16" in row[2]
+    assert topology.target([{"suite": "decode"}]) is None
+    assert any(r[0] == "topology" for r in results.targets(slow))
+
+
+def test_summary_marks_a_slow_default():
+    recs = (_point(1024, 6, 45.1, "persistent", split_k=63.5, persistent=45.0)
+            + _point(4096, 16, 479.3, "persistent", split_k=347.8, persistent=479.3))
+    lines = topology.summary(recs)
+    assert lines[0].startswith("topology grid")
+    fast = next(line for line in lines if line.split()[:2] == ["1024", "6"])
+    assert "63.50" in fast and "45.00" in fast and "-" in fast and not fast.endswith("!")
+    assert next(line for line in lines if line.split()[:2] == ["4096", "16"]).endswith(" !")
+    assert topology.summary([]) == []
+
+
+def test_cli(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--help"])
+    assert exc.value.code == 0 and "  topology    the automatic topology against every kernel forced" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert bench_main(["topology", "--quick"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
