@@ -94,3 +94,15 @@ def test_cli(capsys):
     if not torch.cuda.is_available():
         assert bench_main(["peers", "--quick"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_record_with_and_without_the_copy_rate():
+    t = {"median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "min_us": 9.0, "calls": 32, "repeats": 25}
+    r = peers.record("peers", "attnres/default", "warm", 128, 9, 7168, 1, 4.0, "split_k", t)
+    nbytes = peers.op_bytes(128, 9, 7168, True)
+    assert r["bytes"] == nbytes and r["gbps"] == pytest.approx(nbytes / 10e-6 / 1e9)
+    assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / 4000) and r["peer_best_us"] == 10.50
+    r = peers.record("topology", "attnres/split_k", "cold", 256, 6, 7168, 5, None, "persistent", t)
+    assert r["pct_copy"] is None and r["peer_best_us"] is None and r["suite"] == "topology"
+    assert peers.record("peers", "x", "cold", 1, 9, 4096, 1, 0.0, None, t)["peer_best_us"] is None  # another H
+    assert peers.summary([r | {"suite": "peers"}])[2].split()[:2] == ["256", "6"]

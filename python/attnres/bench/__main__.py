@@ -161,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
             records += peers.run(quick=args.quick, copy_tbs=extra["floors"]["copy_tbs"], progress=progress,
                                  repeats=args.repeats)
         if args.suite == "topology":
-            records += topology.run(quick=args.quick, progress=progress, repeats=args.repeats)
+            extra["floors"] = {"copy_tbs": floors.copy_bandwidth_tbs()}
+            records += topology.run(quick=args.quick, copy_tbs=extra["floors"]["copy_tbs"], progress=progress,
+                                    repeats=args.repeats)
         if args.suite == "persistent":
             copy_tbs = extra["floors"]["copy_tbs"] if "floors" in extra else floors.copy_bandwidth_tbs()
             extra.setdefault("floors", {})["copy_tbs"] = copy_tbs

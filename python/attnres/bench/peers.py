@@ -114,18 +114,25 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str 
         graphs = {name: (capture([_call(sets[i % count], o) for i in range(calls)]), calls)
                   for name, o in providers.items()}
         timings = time_interleaved(graphs, repeats=repeats)
-        peer = PEERS.get((T, N))
         for name, t in timings.items():
-            gbps = nbytes / (t.median_us * 1e-6) / 1e9
-            records.append({
-                "suite": suite, "provider": name, "regime": regime, "T": T, "N": N, "H": H, "sets": len(sets),
-                "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs, "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0),
-                "default_kernel": default_plan.kernel,
-                "peer_best_us": peer.best_us if peer else None, "peer_best": peer.best if peer else None,
-                "peer_vllm_us": peer.vllm_us if peer else None, **t.as_dict()})
+            records.append(record(suite, name, regime, T, N, H, len(sets), copy_tbs, default_plan.kernel, t.as_dict()))
         del graphs, sets
         torch.cuda.empty_cache()
     return records
+
+
+def record(suite: str, provider: str, regime: str, T: int, N: int, H: int, sets: int, copy_tbs: float | None,
+           default_kernel: str | None, timing: dict) -> dict:
+    """One provider's timing at a point, with its bandwidth (over persistent.op_bytes) and, where the copy rate
+    of the run is known (copy_tbs > 0), its share of it."""
+    nbytes = op_bytes(T, N, H, True)
+    gbps = nbytes / (timing["median_us"] * 1e-6) / 1e9
+    peer = PEERS.get((T, N)) if H == H_DEFAULT else None
+    return {"suite": suite, "provider": provider, "regime": regime, "T": T, "N": N, "H": H, "sets": sets,
+            "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
+            "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0) if copy_tbs else None, "default_kernel": default_kernel,
+            "peer_best_us": peer.best_us if peer else None, "peer_best": peer.best if peer else None,
+            "peer_vllm_us": peer.vllm_us if peer else None, **timing}
 
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None,
@@ -203,7 +210,7 @@ def summary(records: list[dict]) -> list[str]:
         for n in names:
             got = [cell.get((T, N, H, g, n)) for g in REGIMES]
             row += " / ".join(_fmt(g["median_us"]) if g else "-" for g in got).rjust(18)
-        row += (f"{default['pct_copy']:.0f}%" if default else "-").rjust(12)
+        row += (f"{default['pct_copy']:.0f}%" if default and default["pct_copy"] is not None else "-").rjust(12)
         peer = PEERS.get((T, N)) if H == H_DEFAULT else None
         row += (_fmt(peer.best_us) if peer else "-").rjust(10) + (_fmt(peer.vllm_us) if peer else "-").rjust(8)
         row += (f"{ratio[(T, N, H)]:.2f}x" if (T, N, H) in ratio else "-").rjust(10)

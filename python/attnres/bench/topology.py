@@ -27,7 +27,9 @@ def points(quick: bool = False) -> list[tuple[int, int]]:
     return [(T, N) for T in tokens for N in cands]
 
 
-def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float = 0.0, progress=None, repeats: int = 25) -> list[dict]:
+def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None,
+        repeats: int = 25) -> list[dict]:
+    """copy_tbs: the run's copy rate for the records' pct_copy (None: not recorded)."""
     records = []
     pts = points(quick)
     for i, (T, N) in enumerate(pts):
