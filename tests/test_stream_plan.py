@@ -119,8 +119,9 @@ def test_automatic_takes_the_persistent_kernel_by_n_and_t(H):
                             **({"add": True} | flags)).kernel
     big = H > 4096
     for N in range(1, 17):
-        start = None if N > 10 else 4096 if N <= 4 or not big else 512 if N == 9 else 256
-        for T in (1, 128, 255, 256, 511, 512, 1024, 4095, 4096, 16384):
+        measured = {3: 2048, 5: 128, 9: 512}.get(N, 4096 if N <= 4 else 256)
+        start = None if N > 10 else measured if big else 4096
+        for T in (1, 127, 128, 255, 256, 511, 512, 1024, 2047, 2048, 4095, 4096, 16384):
             want = "persistent" if start is not None and T >= start else "split_k"
             if N <= 2 and big and T >= 256:
                 want = "single_cta"

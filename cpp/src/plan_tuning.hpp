@@ -120,38 +120,38 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // add2), on the two-blocks-per-SM geometry (the persistent plan's for the call: `two_blocks_per_sm`), and
 // T >= automatic_persistent_min_tokens(N, H); the per-token kernels everywhere else. The bits are the same either
 // way (both reduce in split_k's order). What decides it: the persistent kernel's time grows with N (it streams
-// the N - 1 bank rows, the prefix and the addend), split_k's with its candidate bucket (kCandidateBuckets: its
-// instance computes the whole bucket, zero rows included). Measured on the H200
-// (bench_results/h200_b1e3708_topology_grid.json and h200_3424d44_peers*.json: H = 7168, add, cold L2,
-// CUDA-graph replay, us per call, persistent vs split_k):
-//   * N = 5..8 and 10 (below the top of split_k's bucket of 9 or 12): persistent faster from T = 256 on (T = 256:
-//     15.0-17.2 vs 18.1-18.5 at N = 6..8, 19.5 vs 21.0 at N = 10; T = 1024: 45.1 vs 63.5 at N = 6, 69.4 vs 75.3 at
-//     N = 10; T = 4096: 164.5 vs 245.0 at N = 6, 272.7 vs 292.4 at N = 10; N = 5: 15.1 vs 18.9 at T = 256, 86.1 vs
-//     129.0 at 2048); slower at T = 128 (warm: 9.2-11.8 vs 8.8-10.6).
-//   * N = 9 (the bucket's top): 2 % slower at T = 256 (21.5 vs 21.0), faster from 512 (36.9 vs 38.2; 1024 level,
-//     72.4 vs 72.2; 4096: 236.6 vs 254.6; 16384: 942.6 vs 1012.7).
-//   * N = 3, 4 (the bucket of 4): slower below T = 4096 (T = 256: 11.3 vs 10.3 at N = 3; 1024: 37.1 vs 35.3 at
-//     N = 4), faster or level at 4096 (119.8 vs 130.8, 132.5 vs 133.4); N <= 2 stream (prefer_single_cta) where
-//     H > 4096, and the persistent kernel beat split_k at T = 4096 there (bench_results/
-//     h200_dbab092_persistent_variants.json: 107.8 vs 111.2).
-//   * N >= 11: slower at every T measured (T = 1024: 79.0 vs 76.1 at N = 11, 97.6 vs 87.5 at 13; T = 4096: 306.6
-//     vs 295.8 at N = 11, 350.8 vs 306.7 at 12, 479.3 vs 347.8 at 16): each row costs it ~2.5x its transfer time
-//     (docs/performance.md, the throughput model), while split_k's bucket of 12 or 16 adds little over 9's.
+// the N - 1 bank rows, the prefix and the addend; each row costs it ~2.5x its transfer time, docs/performance.md),
+// split_k's with its candidate bucket (kCandidateBuckets: its instance computes the whole bucket, zero rows
+// included). The table is the H200's grid (python -m attnres.bench topology, bench_results/
+// h200_80e29ff_topology.json: H = 7168, add, cold L2, CUDA-graph replay, us per call, persistent vs split_k):
+//   * N = 5..8 and 10, below the top of split_k's bucket of 9 or 12: persistent faster from T = 256 (N = 5: from
+//     128, 8.81 vs 9.47): at T = 256 13.7-17.2 vs 17.8-18.5 (N = 5..8), 19.8 vs 21.1 (N = 10); at 1024 40.5 vs
+//     62.4 (N = 5), 69.2 vs 74.9 (N = 10); slower at T = 128 for N = 7..10 (10.2-13.9 vs 9.9-11.5).
+//   * N = 9, the bucket's top: level at T = 256 (18.6 vs 18.7), faster from 512 (32.8 vs 34.5; 1024: 60.2 vs
+//     65.5; 4096: 236.3 vs 253.8).
+//   * N = 3, 4, the bucket of 4: N = 3 level at T = 1024 (34.7 both), faster from 2048 (63.4 vs 66.4; 4096: 120.4
+//     vs 130.3); N = 4 slower up to 2048 (69.4 vs 67.6), level at 4096 (133.4 vs 133.1).
+//   * N <= 2: the streaming single_cta first where H > 4096 (prefer_single_cta); elsewhere the persistent kernel
+//     beat split_k at T = 4096 (bench_results/h200_dbab092_persistent_variants.json: 107.8 vs 111.2).
+//   * N >= 11: never faster (T = 256: level at N = 11, 21.4 both; from 512 slower at every N, 4096: 310.8 vs
+//     295.1 at N = 11, 493.1 vs 348.8 at 16): split_k's buckets of 12 and 16 add little over 9's.
 // One block per SM was slower than split_k at every point (629.8 vs 430.7 at T = 16384, N = 2), and so was the
 // persistent kernel without the addend (bench_results/h200_c99ff4f_persistent_quick.json: 1089 vs 980 us at
 // T = 16384, N = 9). The thresholds below T = 4096 were measured at H = 7168 only and are taken where the
-// per-token kernels run as they do there (H > 4096, split_k's cluster of more than four blocks); at H <= 4096
-// the rule keeps T >= 4096 and the same range of N.
-constexpr int64_t kAutomaticPersistentMinTokens = 4096;      // N <= 4, and every N at H <= 4096
-constexpr int64_t kAutomaticPersistentBelowBucketMinTokens = 256;  // N = 5..8, 10 at H > 4096
-constexpr int64_t kAutomaticPersistentFullBucketMinTokens = 512;   // N = 9 at H > 4096
-constexpr int64_t kAutomaticPersistentMaxCandidates = 10;
-constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;  // H > 4096: the thresholds below T = 4096
+// per-token kernels run as they do there (H > 4096: split_k's cluster of more than four blocks); at H <= 4096 the
+// rule keeps T >= 4096 and the same range of N.
+constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
+// By N = 1 .. 16 (index N - 1), H > 4096.
+constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
+    4096, 4096, 2048, 4096, 128, 256, 256, 256, 512, 256, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
 constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden) {
-  if (candidates > kAutomaticPersistentMaxCandidates) return kNeverPersistent;
-  if (candidates <= 4 || hidden < kAutomaticPersistentMeasuredMinHidden) return kAutomaticPersistentMinTokens;
-  return candidates == 9 ? kAutomaticPersistentFullBucketMinTokens : kAutomaticPersistentBelowBucketMinTokens;
+  if (candidates < 1 || candidates > kMaxCandidates) return kNeverPersistent;
+  const int64_t measured = kAutomaticPersistentMinTokensByN[candidates - 1];
+  if (measured == kNeverPersistent || hidden >= kAutomaticPersistentMeasuredMinHidden) return measured;
+  return kAutomaticPersistentMinTokens;
 }
 constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden, bool add,
                                             bool two_blocks_per_sm) {

@@ -356,11 +356,11 @@ TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
     int64_t n, hidden, min_tokens;
   };
   const int64_t never = tuning::kNeverPersistent;
-  for (const Case c : {Case{1, 7168, 4096}, Case{2, 7168, 4096}, Case{3, 7168, 4096}, Case{4, 7168, 4096},
-                       Case{5, 7168, 256}, Case{6, 7168, 256}, Case{8, 7168, 256}, Case{9, 7168, 512},
+  for (const Case c : {Case{1, 7168, 4096}, Case{2, 7168, 4096}, Case{3, 7168, 2048}, Case{4, 7168, 4096},
+                       Case{5, 7168, 128}, Case{6, 7168, 256}, Case{8, 7168, 256}, Case{9, 7168, 512},
                        Case{10, 7168, 256}, Case{11, 7168, never}, Case{12, 7168, never}, Case{16, 7168, never},
-                       Case{5, 4104, 256}, Case{5, 4096, 4096}, Case{9, 2048, 4096}, Case{10, 1024, 4096},
-                       Case{11, 2048, never}}) {
+                       Case{5, 4104, 128}, Case{5, 4096, 4096}, Case{9, 2048, 4096}, Case{10, 1024, 4096},
+                       Case{11, 2048, never}, Case{0, 7168, never}, Case{17, 7168, never}}) {
     SCOPED_TRACE(testing::Message() << "N = " << c.n << ", H = " << c.hidden);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, c.hidden), c.min_tokens);
     if (c.min_tokens != never) {
@@ -460,6 +460,10 @@ TEST(PlanPersistent, AutomaticTopologyRoutesByTheMeasuredCrossover) {
   EXPECT_EQ(attnres::plan(attnres_test::query(add, 512, 9, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
   EXPECT_EQ(attnres::plan(attnres_test::query(add, 256, 6, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
   EXPECT_EQ(attnres::plan(attnres_test::query(add, 255, 6, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 127, 5, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 128, 5, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 2047, 3, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(add, 2048, 3, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
   EXPECT_EQ(attnres::plan(attnres_test::query(add, big - 1, 4, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   EXPECT_EQ(attnres::plan(attnres_test::query(add, big, 4, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
   // N > 10: split_k at every T (it measured faster from T = 128 to 16384 at N = 11, 12, 13, 16).
