@@ -128,10 +128,11 @@ tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the li
 K_ALLREDUCE="(test_all_reduce and ((cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce or designs_equal_the_plain_op)) or pdl_chain_with_plain_ops or pdl_chain_plain_one_kernel or rank_that_never_arrives))"
 # initcheck runs the in-process world with the caching allocator (in the graph step's process), not uncached:
 # the world's ranks exchange only while every rank's kernel runs, so nothing between one rank's launch and the
-# next may wait for the device (tp/communicator.py, InProcessWorld), and under initcheck a fresh cudaMalloc
-# between the ranks' launches did: with PYTORCH_NO_CUDA_MEMORY_CACHING=1 rank 0's exchange timed out (10 s) and
-# its outputs stayed unwritten in every in-process case (10 failed, 3424d44, 2026-12-01), while the same
-# contract case passed clean under initcheck with the caching allocator and under memcheck uncached (b1e3708).
+# next may wait for the device (tp/communicator.py, InProcessWorld), and under initcheck with
+# PYTORCH_NO_CUDA_MEMORY_CACHING=1 something did (an allocation between the ranks' launches, the one difference
+# from the passing runs): rank 0's exchange timed out (10 s) and its outputs stayed unwritten in every in-process
+# case (10 failed, 3424d44, 2026-12-01), while the same contract case passed clean under initcheck with the
+# caching allocator and under memcheck uncached (b1e3708; bench_results/h200_513b85e_sanitize_initcheck.txt).
 WORLD_CACHED_TOOLS=" initcheck "
 
 k_main() {  # $1 size, $2 tool

@@ -14,7 +14,8 @@ KERNELS = ("auto", "cpu", "single_cta", "split_k", "persistent")
 @dataclass(frozen=True)
 class Options:
     # auto (default): the kernel the H200 measured fastest for the call (split_k, the streaming single_cta for
-    # N <= 2 at T >= 256, persistent for one addend at T >= 4096; the same bits either way); per_token |
+    # N <= 2 at T >= 256, persistent for one addend from a T that depends on N, docs/ops/common.md section 6;
+    # the same bits either way); per_token |
     # persistent force one family; split: per-token up to split_max_tokens
     topology: str = "auto"
     # topology "split": per-token kernels up to this T, persistent above (the default is the C++ library's)
