@@ -106,3 +106,13 @@ def test_record_with_and_without_the_copy_rate():
     assert r["pct_copy"] is None and r["peer_best_us"] is None and r["suite"] == "topology"
     assert peers.record("peers", "x", "cold", 1, 9, 4096, 1, 0.0, None, t)["peer_best_us"] is None  # another H
     assert peers.summary([r | {"suite": "peers"}])[2].split()[:2] == ["256", "6"]
+
+
+def test_calls_per_graph_amortize_the_replay_launch():
+    one = peers.op_bytes(1, 9, 7168, True)
+    assert peers.calls_per_graph(8, one) == 250  # 500 us of ~2 us calls
+    assert peers.calls_per_graph(600, one) == 600  # every cold set once at least
+    big = peers.op_bytes(4096, 9, 7168, True)
+    assert peers.calls_per_graph(1, big) == peers.MIN_CALLS
+    mid = peers.op_bytes(128, 9, 7168, True)
+    assert peers.MIN_CALLS < peers.calls_per_graph(1, mid) < 250

@@ -7,8 +7,8 @@ call can run on, forced (split_k; the single_cta, streaming above one token per 
 kernel), all CUDA-graph replays timed interleaved in the same run, in two L2 regimes:
 
 * `warm`: the rotating input sets together fit in half the L2, so after the warm-up replays the rows are
-  L2-resident: the regime of the peers' figures below. Each graph holds at least MIN_CALLS calls, cycling
-  through its sets. Where one set is larger than half the L2 the point has
+  L2-resident: the regime of the peers' figures below. Each graph holds enough calls to amortize a replay's
+  launch (calls_per_graph), cycling through its sets. Where one set is larger than half the L2 the point has
   no warm regime (the rows stream from DRAM either way) and only `cold` is measured.
 * `cold`: the project's harness (timing.rotating_sets: the sets exceed twice the L2).
 
@@ -22,6 +22,7 @@ from the bytes' transfer time.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,10 +60,21 @@ PEERS: dict[tuple[int, int], Peer] = {
 PERSISTENT_RANGE = [(T, N) for T in (1024, 4096, 16384) for N in (2, 9, 12)]
 QUICK_POINTS = [(1, 1), (1, 9), (128, 9), (4096, 2), (4096, 9)]
 REGIMES = ("warm", "cold")
-# Calls per graph at least: a replay costs ~3 us of launch beyond its calls (one call of T = 128, N = 9 timed 13.9 us
-# per replay against 10.9 per call with six), so a graph of fewer calls than this cycles through its sets again.
-# A cold regime stays cold: a set comes back only after all the others, whose bytes exceed twice the L2.
+# Calls per graph: a replay costs ~5 us of launch beyond its calls (one call of T = 128, N = 9 timed 13.9 us per
+# replay against 9.05 per call with 32; T = 4096, N = 2: 86.8 against 81.1), so a graph holds at least
+# MIN_CALLS calls and enough for REPLAY_US of work at an estimate of a call's time (its bytes at
+# ESTIMATE_TBS, at least ESTIMATE_MIN_US), cycling through its sets: at T = 1 ~250 calls, where 32 left ~0.15 us
+# of launch in each call. A cold regime stays cold: a set comes back only after all the others, whose bytes
+# exceed twice the L2.
 MIN_CALLS = 32
+REPLAY_US = 500.0
+ESTIMATE_TBS = 3.0
+ESTIMATE_MIN_US = 2.0
+
+
+def calls_per_graph(sets: int, nbytes: int) -> int:
+    estimate_us = max(ESTIMATE_MIN_US, nbytes / (ESTIMATE_TBS * 1e12) * 1e6)
+    return max(sets, MIN_CALLS, math.ceil(REPLAY_US / estimate_us))
 # The kernels a point is timed on besides the default, as Options(kernel=...) / topology; where the plan declines
 # a forced kernel for the call (single_cta above N = 4), it is left out of that point.
 FORCED = {"split_k": dict(kernel="split_k"), "single_cta": dict(kernel="single_cta"),
@@ -110,7 +122,7 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str 
         if count == 0:
             continue
         sets = make_sets(T, N, H, count, seed=T * 100 + N + (regime == "warm"))
-        calls = max(count, MIN_CALLS)
+        calls = calls_per_graph(count, nbytes)
         graphs = {name: (capture([_call(sets[i % count], o) for i in range(calls)]), calls)
                   for name, o in providers.items()}
         timings = time_interleaved(graphs, repeats=repeats)
