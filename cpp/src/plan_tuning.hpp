@@ -133,8 +133,9 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 //     vs 130.3); N = 4 slower up to 2048 (69.4 vs 67.6), level at 4096 (133.4 vs 133.1).
 //   * N <= 2: the streaming single_cta first where H > 4096 (prefer_single_cta); elsewhere the persistent kernel
 //     beat split_k at T = 4096 (bench_results/h200_dbab092_persistent_variants.json: 107.8 vs 111.2).
-//   * N >= 11: never faster (T = 256: level at N = 11, 21.4 both; from 512 slower at every N, 4096: 310.8 vs
-//     295.1 at N = 11, 493.1 vs 348.8 at 16): split_k's buckets of 12 and 16 add little over 9's.
+//   * N >= 11: never faster (N = 11 level at T = 256 and 512, 21.4 and 39.7 both; slower at every other point,
+//     T = 4096: 310.8 vs 295.1 at N = 11, 493.1 vs 348.8 at 16): split_k's buckets of 12 and 16 add little
+//     over 9's.
 // One block per SM was slower than split_k at every point (629.8 vs 430.7 at T = 16384, N = 2), and so was the
 // persistent kernel without the addend (bench_results/h200_c99ff4f_persistent_quick.json: 1089 vs 980 us at
 // T = 16384, N = 9). The thresholds below T = 4096 were measured at H = 7168 only and are taken where the
