@@ -75,6 +75,8 @@ ESTIMATE_MIN_US = 2.0
 def calls_per_graph(sets: int, nbytes: int) -> int:
     estimate_us = max(ESTIMATE_MIN_US, nbytes / (ESTIMATE_TBS * 1e12) * 1e6)
     return max(sets, MIN_CALLS, math.ceil(REPLAY_US / estimate_us))
+
+
 # The kernels a point is timed on besides the default, as Options(kernel=...) / topology; where the plan declines
 # a forced kernel for the call (single_cta above N = 4), it is left out of that point.
 FORCED = {"split_k": dict(kernel="split_k"), "single_cta": dict(kernel="single_cta"),
@@ -228,4 +230,3 @@ def summary(records: list[dict]) -> list[str]:
         row += (f"{ratio[(T, N, H)]:.2f}x" if (T, N, H) in ratio else "-").rjust(10)
         lines.append(row)
     return lines
-

@@ -11,9 +11,7 @@ by the peers and decode suites)."""
 
 from __future__ import annotations
 
-import torch
-
-from .peers import H_DEFAULT, run_point
+from .peers import FORCED, H_DEFAULT, run_point
 
 TOKENS = (128, 256, 512, 1024, 2048, 4096)
 CANDIDATES = tuple(range(3, 17))
@@ -34,7 +32,6 @@ def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, 
     pts = points(quick)
     for i, (T, N) in enumerate(pts):
         records += run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",))
-        torch.cuda.empty_cache()
         if progress:
             progress(i + 1, len(pts), f"topology T={T} N={N}")
     return records
@@ -77,7 +74,7 @@ def summary(records: list[dict]) -> list[str]:
         return []
     lines = ["topology grid: µs per call, one addend, cold L2; the default's kernel / µs, then each kernel forced; "
              "ratio = default / fastest"]
-    names = ("split_k", "single_cta", "persistent")
+    names = tuple(FORCED)
     lines.append(f"{'T':>6} {'N':>3}  {'default':<11}{'µs':>9}" + "".join(f"{n:>12}" for n in names) + f"{'ratio':>8}")
     for r in got:
         lines.append(f"{r['T']:6d} {r['N']:3d}  {r['kernel']:<11}{r['default_us']:9.2f}"
