@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from . import _C
-from ._custom_ops import _OPS, _add_rmsnorm
+from . import ops
 from .options import Options
 from .planning import PlanInfo, device_info
 
@@ -76,7 +76,6 @@ def call(variant: Variant, layer_residual: Tensor, block_residual: Tensor, res_w
          layer_residual_add: Tensor | None = None, pdl: bool = True) -> tuple[Tensor | None, Tensor]:
     """attn_res_add_rmsnorm_persistent under `variant` on [T, H] / [K, T, H] tensors: (updated or None, output),
     as the public op returns them."""
-    updated, output, _ = _add_rmsnorm(_OPS.attn_res_add_rmsnorm_persistent, layer_residual, layer_residual_add, None,
-                                      block_residual, res_weight, rms_weight, norm_weight, float(rms_eps),
-                                      float(norm_eps), False, -1, variant.options(pdl))
-    return (updated if layer_residual_add is not None else None), output
+    return ops.attn_res_add_rmsnorm_persistent(layer_residual, block_residual, res_weight, rms_weight, norm_weight,
+                                               float(rms_eps), float(norm_eps), layer_residual_add=layer_residual_add,
+                                               options=variant.options(pdl))

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from . import _C
-from ._custom_ops import _OPS, _add_rmsnorm
+from . import ops
 from .options import Options
 from .planning import PlanInfo, device_info
 
@@ -55,6 +55,8 @@ def attn_res_add_rmsnorm(min_tokens: int, layer_residual: Tensor, layer_residual
                          return_mixture: bool = False, snapshot_slot: int = -1, kernel: str = "single_cta",
                          pdl: bool = True) -> tuple[Tensor, Tensor, Tensor]:
     """attn_res_add_rmsnorm on single_cta under the knob: (updated, output, mixture; empty when not asked)."""
-    return _add_rmsnorm(_OPS.attn_res_add_rmsnorm, layer_residual, layer_residual_add, layer_residual_add2,
-                        block_residual, res_weight, rms_weight, norm_weight, float(rms_eps), float(norm_eps),
-                        bool(return_mixture), int(snapshot_slot), StreamOptions(min_tokens, kernel, pdl))
+    result = ops.attn_res_add_rmsnorm(
+        layer_residual, layer_residual_add, block_residual, res_weight, rms_weight, norm_weight, float(rms_eps),
+        float(norm_eps), layer_residual_add2=layer_residual_add2, return_mixture=True,
+        snapshot_slot=None if snapshot_slot < 0 else int(snapshot_slot), options=StreamOptions(min_tokens, kernel, pdl))
+    return result if return_mixture else (*result[:2], result[2].new_empty((0,)))

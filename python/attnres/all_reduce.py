@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from . import _C, knobs
-from ._custom_ops import _OPS, _fake_check, check_bank_in_storage
-from ._custom_ops_variants import _check_num_snapshots, snapshot_candidates
+from ._attn_ops import check_bank_storage, fake_check
+from .ops import check_bank_in_storage
 from ._registry import custom_op, note_writes
 from ._tensors import ABSENT, _hint, fake_refs, ref, stream_of
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
@@ -189,8 +189,11 @@ def all_reduce_attn_res_add_rmsnorm_op(
     else:
         attn.layer_residual_add = ref(layer_residual_add, op, "layer_residual_add")
         attn.layer_residual_add2 = ar.output
-    attn.block_residual = snapshot_candidates(bank, num_snapshots, snapshot_slot, op) if bank.dim() == 3 \
-        else ref(bank, op, "block_residual")
+    attn.block_residual = ref(bank, op, "block_residual")
+    attn.snapshot_slot = snapshot_slot
+    if bank.dim() == 3:
+        check_bank_storage(op, bank, num_snapshots, snapshot_slot)
+        _C.attn_res_bank_rows(op, attn, num_snapshots)
     attn.res_weight = ref(res_weight, op, "res_weight")
     attn.rms_weight = ref(rms_weight, op, "rms_weight")
     attn.norm_weight = ref(norm_weight, op, "norm_weight")
@@ -233,11 +236,9 @@ def _(partial, gathered, state, buffers, world_size, rank, capacity, width, time
     # The library's rules of the attention half, the reduced sum as the site's addend.
     addends = {"layer_residual_add": outputs[0]} if site == "add" else \
         {"layer_residual_add": layer_residual_add, "layer_residual_add2": outputs[0]}
-    _check_num_snapshots(bank, num_snapshots, op)
-    _fake_check(_OPS.attn_res_add_rmsnorm, layer_residual=layer_residual, block_residual=bank, res_weight=res_weight,
-                rms_weight=rms_weight, norm_weight=norm_weight, rms_eps=rms_eps, norm_eps=norm_eps,
-                snapshot_slot=_hint(snapshot_slot), block_rows=_hint(num_snapshots) if bank.dim() == 3 else None,
-                **addends)
+    fake_check(op, _C.AttnResOp.attn_res_add_rmsnorm, num_snapshots if bank.dim() == 3 else -1, snapshot_slot,
+               rms_eps, norm_eps, layer_residual=layer_residual, block_residual=bank, res_weight=res_weight,
+               rms_weight=rms_weight, norm_weight=norm_weight, **addends)
     return outputs
 
 
@@ -337,7 +338,7 @@ def all_reduce_attn_res_add_rmsnorm(comm, partial: Tensor, layer_residual: Tenso
     if snapshot_slot is not None:
         slot = operator.index(snapshot_slot)
         if slot < 0:
-            raise ValueError(f"{op}: snapshot_slot must be None or a row index >= K, got {slot}")
+            raise _C.ArgumentError(f"{op}: snapshot_slot must be None or a row index >= K, got {slot}")
         if block.dim() == 3 and min(block.stride()) >= 0:
             check_bank_in_storage(block, max(K, slot + 1), op)
             bank = block.as_strided((max(K, slot + 1), *block.shape[1:]), block.stride())

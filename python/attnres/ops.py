@@ -1,177 +1,249 @@
-"""The public Python API of the attention-residual ops (docs/ops/*.md).
+"""The public Python API of the attention-residual ops (docs/ops/*.md): one function per family, every feature
+an argument.
 
-Each function takes torch tensors (or DLPack producers), allocates its outputs, and runs on the tensors'
-device: the CPU backend for CPU tensors, the Hopper kernels for CUDA tensors (on the current stream). They
-go through torch.ops.attnres.*, so they also trace under torch.compile and capture in CUDA graphs.
+Each function takes torch tensors (or DLPack producers) and runs on their device: the CPU backend for CPU
+tensors, the Hopper kernels for CUDA tensors (on the current stream). Outputs are allocated, or written into
+the caller's tensors with `out=` (a tuple in the order the function returns its results; a None entry is
+allocated), and returned as given. `updated` may be `layer_residual` itself: the in-place prefix update,
+bitwise the out-of-place result. `layer_residual` (and the addends, and the [T, H] outputs) may be [T, H] or
+[T, 1, H]; outputs are allocated in layer_residual's rank.
 
-`layer_residual` (and the addends) may be [T, H] or [T, 1, H]; outputs come back in the same rank.
+An eager call of plain tensors goes straight to the C++ library (one call: validation, plan, launch); under
+torch.compile, with tensor subclasses, autograd or a dispatch mode it goes through torch.ops.attnres.*, which
+also trace under torch.compile and capture in CUDA graphs.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
 from torch import Tensor
 
-from . import _C, _custom_ops  # noqa: F401  (registers torch.ops.attnres.*)
-from . import fp8 as _fp8
+from . import _C, _attn_ops
+from ._attn_ops import FAMILIES, allocate, call
 from ._tensors import as_tensor
+from .errors import ArgumentError
 from .options import DEFAULT, Options
 
-_ops = torch.ops.attnres
+_DEFAULT_C = DEFAULT.to_c()
+_is_compiling = torch.compiler.is_compiling
+_empty_like = torch.empty_like
+_call = _C.attn_res_call
+_OP = _C.AttnResOp
 
 
-def _squeeze(t: Tensor | None, op: str, name: str) -> tuple[Tensor | None, bool]:
-    """[T, 1, H] -> [T, H] view; other ranks pass through for the library to judge."""
-    t = as_tensor(t, op, name)
-    if t is not None and t.dim() == 3 and t.shape[1] == 1:
-        return t.squeeze(1), True
-    return t, False
+@functools.lru_cache(maxsize=64)
+def _c_options(options: Options):
+    return options.to_c()
 
 
-def _restore(t: Tensor | None, was_3d: bool) -> Tensor | None:
-    return t.unsqueeze(1) if (t is not None and was_3d) else t
+def _options(op: str, options) -> Options:
+    if options is None:
+        return DEFAULT
+    # Benchmark-only option sets (attnres._stream_tuning, attnres._persistent_tuning) bring their own to_c().
+    if not isinstance(options, Options) and not hasattr(options, "to_c"):
+        raise ArgumentError(f"{op}: options must be an attnres.Options, got {type(options).__name__}")
+    return options
+
+
+def _c(opts):
+    if opts is DEFAULT:
+        return _DEFAULT_C
+    return _c_options(opts) if isinstance(opts, Options) else opts.to_c()
 
 
 def _slot(op: str, snapshot_slot) -> int:
-    slot = operator.index(snapshot_slot)
+    try:
+        slot = operator.index(snapshot_slot)
+    except TypeError:
+        raise ArgumentError(f"{op}: snapshot_slot must be None or an int row index >= K, got {snapshot_slot!r}") \
+            from None
     if slot < 0:
-        raise _C.ArgumentError(f"{op}: snapshot_slot must be None or a row index >= K, got {slot}")
+        raise ArgumentError(f"{op}: snapshot_slot must be None or a row index >= K, got {slot}")
     return slot
 
 
-def _fp8_args(op: str, fp8, fp8_pow2_scales) -> tuple[str | None, bool]:
-    """The validated FP8 keywords: (mode or None, pow2)."""
-    mode = _fp8.check_mode(op, fp8)
-    pow2 = bool(fp8_pow2_scales)
-    if mode is None and pow2:
-        raise _C.ArgumentError(f"{op}: fp8_pow2_scales requires fp8 = per_token or block128")
-    return mode, pow2
+def _bank_through_slot(block: Tensor, slot: int, op: str) -> Tensor:
+    """The bank as a [max(K, slot + 1), T, H] view of block_residual's storage, so the snapshot row (outside the
+    [K, T, H] candidate view) is addressed through the same strides, after checking that the row lies inside
+    the storage (the library sees only pointers)."""
+    if block.dim() != 3 or min(block.stride(), default=0) < 0:
+        return block  # the library rejects the rank or the strides
+    K, T, H = block.shape
+    rows = max(K, slot + 1)
+    if not _is_compiling():
+        check_bank_in_storage(block, rows, op)
+    return block.as_strided((rows, T, H), block.stride())
 
 
-def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: float, *,
-             snapshot_slot: int | None = None, options: Options | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """mixture [T, H] bf16, and fp32 rsigma, probs, logits [N, T]. With snapshot_slot, layer_residual is also
-    written into bank row snapshot_slot (>= K) of block_residual's storage."""
-    op = "attn_res"
-    lr, was_3d = _squeeze(layer_residual, op, "layer_residual")
-    block = as_tensor(block_residual, op, "block_residual")
-    weights = (as_tensor(res_weight, op, "res_weight"), as_tensor(rms_weight, op, "rms_weight"))
-    opts = (options or DEFAULT).as_args()
-    if snapshot_slot is None:
-        mixture, rsigma, probs, logits = _ops.attn_res(lr, block, *weights, float(rms_eps), *opts)
-    else:
+def check_bank_in_storage(bank: Tensor, rows: int, op: str) -> None:
+    """Refuses a snapshot row that lies past the bank's storage."""
+    _, T, H = bank.shape
+    s = bank.stride()
+    last = bank.storage_offset() + (rows - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
+    if (last + 1) * bank.element_size() > bank.untyped_storage().nbytes():
+        raise ArgumentError(f"{op}: snapshot_slot {rows - 1} lies outside block_residual's storage "
+                            f"(the bank must be allocated with at least {rows} snapshot rows)")
+
+
+def _given(op: str, out, produced: tuple[str, ...]) -> dict:
+    """The caller's out= tensors by output name (None entries are allocated)."""
+    if out is None:
+        return {}
+    if isinstance(out, Tensor) and len(produced) == 1:
+        out = (out,)
+    if not isinstance(out, (tuple, list)) or len(out) != len(produced):
+        raise ArgumentError(f"{op}: out must be a tuple of {len(produced)} tensors ({', '.join(produced)}), "
+                            f"got {type(out).__name__}{'' if not isinstance(out, (tuple, list)) else ' of ' + str(len(out))}")
+    given = {}
+    for name, t in zip(produced, out):
+        if t is not None:
+            given[name] = t if isinstance(t, Tensor) else as_tensor(t, op, f"out ({name})")
+    return given
+
+
+def _run(family_name: str, v: dict, snapshot_slot, out, options, produced: tuple[str, ...]):
+    """Runs one family's call: `v` holds its arguments by schema name, `produced` the outputs it returns."""
+    family = FAMILIES[family_name]
+    op = family.name
+    opts = _options(op, options)
+    given = _given(op, out, produced)
+    snapshot = snapshot_slot is not None
+    if snapshot:
         slot = _slot(op, snapshot_slot)
+        block = as_tensor(v.pop("block_residual"), op, "block_residual")
         K = block.shape[0] if block.dim() == 3 else 0
-        mixture, rsigma, probs, logits = _ops.attn_res_snapshot(
-            lr, _bank_through_slot(block, slot, op), K, slot, *weights, float(rms_eps), *opts)
-    return _restore(mixture, was_3d), rsigma, probs, logits
+        v["bank"] = _bank_through_slot(block, slot, op)
+        v["num_snapshots"], v["snapshot_slot"] = K, slot
+    else:
+        block = v["block_residual"]
+        K = block.shape[0] if isinstance(block, Tensor) and block.dim() == 3 else 0
+    lr = v["layer_residual"]
+    if not isinstance(lr, Tensor):
+        v["layer_residual"] = lr = as_tensor(lr, op, "layer_residual")
+    outs = allocate(family, v, K, skip=given)
+    outs.update(given)
+    if not _is_compiling():
+        v["_options"] = _c(opts)
+        if call(family, v, outs, snapshot, direct=True):
+            return _result(outs, produced)
+        del v["_options"]
+    return _through_torch_ops(family, v, outs, given, opts, snapshot, produced)
+
+
+def _through_torch_ops(family, v: dict, outs: dict, given: dict, opts: Options, snapshot: bool, produced):
+    op = family.name
+    for key, value in list(v.items()):
+        if key not in ("fp8",) and value is not None and not isinstance(value, (Tensor, int, float, bool)):
+            v[key] = as_tensor(value, op, key)
+    v.update(zip(_attn_ops.OPTION_NAMES, opts.as_args()))
+    base = getattr(torch.ops.attnres, op + ("_snapshot" if snapshot else ""))
+    if v.get("fp8") is None and "fp8" in v:
+        v["fp8"] = "none"
+    if given:
+        base.out(**v, **{k: outs.get(k) for k in family.outputs})
+        return _result(outs, produced)
+    results = dict(zip(family.outputs, base(**v)))
+    return _result(results, produced)
+
+
+def _result(outs: dict, produced: tuple[str, ...]):
+    return outs[produced[0]] if len(produced) == 1 else tuple(outs[k] for k in produced)
+
+
+def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: float, *, layer_residual_add=None,
+             layer_residual_add2=None, diagnostics: bool = True, snapshot_slot: int | None = None, out=None,
+             options: Options | None = None):
+    """The AttnRes mixture of the candidates (the bank rows, then the prefix), no norm (docs/ops/attn_res.md).
+
+    Returns ([updated,] mixture[, rsigma, probs, logits]): with layer_residual_add (and layer_residual_add2)
+    the prefix is first updated, updated = prefix + (add + add2) bit for bit as PyTorch computes it, and the
+    mixture is taken over the updated prefix; with diagnostics (default) the fp32 [N, T] rsigma, probs and
+    logits the mixture used. With snapshot_slot, the (updated) prefix is also written into bank row
+    snapshot_slot (>= K) of block_residual's storage. A single result is returned as a tensor."""
+    if out is None and snapshot_slot is None and options is None and not diagnostics and \
+            type(layer_residual) is Tensor and not _is_compiling():
+        # The engines' call (no diagnostics, outputs allocated): straight to the library. False: it needs
+        # torch's dispatcher, handled below.
+        mixture = _empty_like(layer_residual)
+        updated = None if layer_residual_add is None else _empty_like(layer_residual)
+        if _call(_OP.attn_res, (layer_residual, layer_residual_add, layer_residual_add2, block_residual, res_weight,
+                                rms_weight, None, mixture, updated, None, None, None, None, None, None),
+                 rms_eps, 1e-5, -1, -1, None, False, _DEFAULT_C, True):
+            return mixture if updated is None else (updated, mixture)
+    produced = (("updated",) if layer_residual_add is not None else ()) + ("output",) + \
+        (("rsigma", "probs", "logits") if diagnostics else ())
+    v = {"layer_residual": layer_residual, "block_residual": block_residual, "res_weight": res_weight,
+         "rms_weight": rms_weight, "rms_eps": rms_eps, "layer_residual_add": layer_residual_add,
+         "layer_residual_add2": layer_residual_add2, "diagnostics": bool(diagnostics)}
+    return _run("attn_res", v, snapshot_slot, out, options, produced)
+
+
+def _fp8_outputs(fp8) -> tuple[str, ...]:
+    return () if fp8 is None or fp8 == "none" else ("output_fp8", "fp8_scales")
 
 
 def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps: float,
                      norm_eps: float, *, return_mixture: bool = False, snapshot_slot: int | None = None,
-                     fp8: str | None = None, fp8_pow2_scales: bool = False, options: Options | None = None):
-    """output [T, H] = RMSNorm(mixture); with return_mixture, (output, mixture). With fp8 ("per_token" or
-    "block128") the result gains (output_fp8, scales): output quantized to e4m3 (docs/ops/attn_res_rmsnorm.md).
+                     fp8: str | None = None, fp8_pow2_scales: bool = False, out=None,
+                     options: Options | None = None):
+    """output [T, H] = RMSNorm(mixture) (docs/ops/attn_res_rmsnorm.md); with return_mixture, (output, mixture).
+    With fp8 ("per_token" or "block128") the result gains (output_fp8, fp8_scales): output quantized to e4m3.
     With snapshot_slot, layer_residual is also written into bank row snapshot_slot (>= K)."""
-    op = "attn_res_rmsnorm"
-    mode, pow2 = _fp8_args(op, fp8, fp8_pow2_scales)
-    lr, was_3d = _squeeze(layer_residual, op, "layer_residual")
-    block = as_tensor(block_residual, op, "block_residual")
-    weights = (as_tensor(res_weight, op, "res_weight"), as_tensor(rms_weight, op, "rms_weight"),
-               as_tensor(norm_weight, op, "norm_weight"))
-    scalars = (float(rms_eps), float(norm_eps), bool(return_mixture))
-    opts = (options or DEFAULT).as_args()
-    q = s = None
-    if snapshot_slot is not None:
-        slot = _slot(op, snapshot_slot)
-        K = block.shape[0] if block.dim() == 3 else 0
-        output, mixture, q, s = _ops.attn_res_rmsnorm_snapshot(
-            lr, _bank_through_slot(block, slot, op), K, slot, *weights, *scalars, mode or "none", pow2, *opts)
-    elif mode is not None:
-        output, mixture, q, s = _ops.attn_res_rmsnorm_fp8(lr, block, *weights, *scalars, mode, pow2, *opts)
-    else:
-        output, mixture = _ops.attn_res_rmsnorm(lr, block, *weights, *scalars, *opts)
-    result = (_restore(output, was_3d),) + ((_restore(mixture, was_3d),) if return_mixture else ())
-    if mode is not None:
-        result += (_restore(q, was_3d), s)
-    return result if len(result) > 1 else result[0]
-
-
-def _bank_through_slot(block: Tensor, slot: int, op: str) -> Tensor:
-    """The bank as a [max(K, slot + 1), T, H] view of block_residual's storage, so the snapshot row (outside
-    the [K, T, H] candidate view) is addressed through the same strides. Rows past the storage are refused
-    here in eager mode (a clear message) and by the op itself when compiled (the view's storage offset is
-    not traceable)."""
-    if block.dim() != 3 or min(block.stride()) < 0:
-        return block  # the library rejects the rank or the strides
-    K, T, H = block.shape
-    rows = max(K, slot + 1)
-    if not torch.compiler.is_compiling():
-        _custom_ops.check_bank_in_storage(block, rows, op)
-    return block.as_strided((rows, T, H), block.stride())
+    if out is None and snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
+            type(layer_residual) is Tensor and not _is_compiling():
+        output = _empty_like(layer_residual)
+        if _call(_OP.attn_res_rmsnorm, (layer_residual, None, None, block_residual, res_weight, rms_weight,
+                                        norm_weight, output, None, None, None, None, None, None, None),
+                 rms_eps, norm_eps, -1, -1, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
+            return output
+    produced = ("output",) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
+    v = {"layer_residual": layer_residual, "block_residual": block_residual, "res_weight": res_weight,
+         "rms_weight": rms_weight, "norm_weight": norm_weight, "rms_eps": rms_eps, "norm_eps": norm_eps,
+         "return_mixture": bool(return_mixture), "fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales}
+    return _run("attn_res_rmsnorm", v, snapshot_slot, out, options, produced)
 
 
 def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight, norm_weight,
                          rms_eps: float, norm_eps: float, *, layer_residual_add2=None, return_mixture: bool = False,
                          snapshot_slot: int | None = None, fp8: str | None = None, fp8_pow2_scales: bool = False,
-                         options: Options | None = None):
-    """(updated, output[, mixture][, output_fp8, scales]): updated = prefix + add (+ add2) exactly as PyTorch's
-    `prefix + (add + add2)` on bf16; output = RMSNorm(AttnRes(bank, updated)). With snapshot_slot, updated is
-    also written into bank row snapshot_slot (>= K) of block_residual's storage. With fp8 ("per_token" or
-    "block128"), output is also returned quantized to e4m3 with its fp32 scales."""
-    op = "attn_res_add_rmsnorm"
-    mode, pow2 = _fp8_args(op, fp8, fp8_pow2_scales)
-    lr, was_3d = _squeeze(layer_residual, op, "layer_residual")
-    add, _ = _squeeze(layer_residual_add, op, "layer_residual_add")
-    add2, _ = _squeeze(layer_residual_add2, op, "layer_residual_add2")
-    block = as_tensor(block_residual, op, "block_residual")
-    weights = (as_tensor(res_weight, op, "res_weight"), as_tensor(rms_weight, op, "rms_weight"),
-               as_tensor(norm_weight, op, "norm_weight"))
-    scalars = (float(rms_eps), float(norm_eps), bool(return_mixture))
-    opts = (options or DEFAULT).as_args()
-    q = s = None
-    if snapshot_slot is None:
-        if mode is None:
-            updated, output, mixture = _ops.attn_res_add_rmsnorm(lr, add, add2, block, *weights, *scalars, *opts)
-        else:
-            updated, output, mixture, q, s = _ops.attn_res_add_rmsnorm_fp8(
-                lr, add, add2, block, *weights, *scalars, mode, pow2, *opts)
-    else:
-        slot = _slot(op, snapshot_slot)
-        bank = _bank_through_slot(block, slot, op)
-        K = block.shape[0] if block.dim() == 3 else 0
-        if mode is None:
-            updated, output, mixture = _ops.attn_res_add_rmsnorm_snapshot(
-                lr, add, add2, bank, K, slot, *weights, *scalars, *opts)
-        else:
-            updated, output, mixture, q, s = _ops.attn_res_add_rmsnorm_snapshot_fp8(
-                lr, add, add2, bank, K, slot, *weights, *scalars, mode, pow2, *opts)
-    result = (_restore(updated, was_3d), _restore(output, was_3d))
-    if return_mixture:
-        result += (_restore(mixture, was_3d),)
-    if mode is not None:
-        result += (_restore(q, was_3d), s)
-    return result
+                         out=None, options: Options | None = None):
+    """(updated, output[, mixture][, output_fp8, fp8_scales]) (docs/ops/attn_res_add_rmsnorm.md): updated =
+    prefix + (add + add2) exactly as PyTorch's `prefix + (add + add2)` on bf16; output = RMSNorm(AttnRes(bank,
+    updated)). With snapshot_slot, updated is also written into bank row snapshot_slot (>= K) of
+    block_residual's storage. out=(layer_residual, None) updates the prefix in place."""
+    if out is None and snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
+            type(layer_residual) is Tensor and not _is_compiling():
+        updated, output = _empty_like(layer_residual), _empty_like(layer_residual)
+        if _call(_OP.attn_res_add_rmsnorm, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
+                                            res_weight, rms_weight, norm_weight, output, updated, None, None, None,
+                                            None, None, None),
+                 rms_eps, norm_eps, -1, -1, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
+            return updated, output
+    produced = ("updated", "output") + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
+    v = {"layer_residual": layer_residual, "layer_residual_add": layer_residual_add,
+         "layer_residual_add2": layer_residual_add2, "block_residual": block_residual, "res_weight": res_weight,
+         "rms_weight": rms_weight, "norm_weight": norm_weight, "rms_eps": rms_eps, "norm_eps": norm_eps,
+         "return_mixture": bool(return_mixture), "fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales}
+    return _run("attn_res_add_rmsnorm", v, snapshot_slot, out, options, produced)
+
+
+_PERSISTENT = Options(topology="persistent")
 
 
 def attn_res_add_rmsnorm_persistent(layer_residual, block_residual, res_weight, rms_weight, norm_weight,
                                     rms_eps: float, norm_eps: float, *, layer_residual_add=None,
                                     fp8: str | None = None, fp8_pow2_scales: bool = False,
                                     options: Options | None = None):
-    """(updated or None, output[, output_fp8, scales]) on the persistent kernel (large T); declines
-    layer_residual_add2."""
-    op = "attn_res_add_rmsnorm_persistent"
-    mode, pow2 = _fp8_args(op, fp8, fp8_pow2_scales)
-    lr, was_3d = _squeeze(layer_residual, op, "layer_residual")
-    add, _ = _squeeze(layer_residual_add, op, "layer_residual_add")
-    args = (lr, add, as_tensor(block_residual, op, "block_residual"), as_tensor(res_weight, op, "res_weight"),
-            as_tensor(rms_weight, op, "rms_weight"), as_tensor(norm_weight, op, "norm_weight"), float(rms_eps),
-            float(norm_eps))
-    opts = (options or Options(topology="persistent")).as_args()
-    if mode is None:
-        updated, output = _ops.attn_res_add_rmsnorm_persistent(*args, *opts)
-        return (_restore(updated, was_3d) if add is not None else None), _restore(output, was_3d)
-    updated, output, q, s = _ops.attn_res_add_rmsnorm_persistent_fp8(*args, mode, pow2, *opts)
-    return (_restore(updated, was_3d) if add is not None else None), _restore(output, was_3d), _restore(q, was_3d), s
+    """Alias: attn_res_add_rmsnorm (attn_res_rmsnorm without an addend) with Options(topology="persistent").
+    Returns (updated or None, output[, output_fp8, fp8_scales])."""
+    opts = options or _PERSISTENT
+    kw = {"fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales, "options": opts}
+    if layer_residual_add is None:
+        r = attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps, norm_eps,
+                             **kw)
+        return (None,) + (r if isinstance(r, tuple) else (r,))
+    return attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight,
+                                norm_weight, rms_eps, norm_eps, **kw)

@@ -34,12 +34,21 @@ TensorRef make_tensor_ref(uintptr_t data, DType dtype, DeviceType device_type, i
   return t;
 }
 
+struct ErrorTypes {
+  PyObject *base = nullptr, *argument = nullptr, *unsupported = nullptr, *cuda = nullptr;
+};
+ErrorTypes& error_types() {
+  static ErrorTypes types;
+  return types;
+}
+
 std::vector<int64_t> dims(const int64_t* v, int n) { return std::vector<int64_t>(v, v + (n < 0 ? 0 : n)); }
 
 }  // namespace
 
 void bind_moe_finalize(nanobind::module_&);
 void bind_all_reduce(nanobind::module_&);
+void bind_call(nanobind::module_&);
 
 NB_MODULE(_C, m) {
   m.doc() = "attnres C++ library bindings (internal: use the attnres package)";
@@ -48,13 +57,32 @@ NB_MODULE(_C, m) {
   // its functions until interpreter exit), which nanobind's shutdown check would report as leaks.
   nb::set_leak_warnings(false);
 
-  // Precondition violations are ValueErrors; declines and launch failures RuntimeErrors under attnres.Error.
-  // (A hand-written translator creating an ArgumentError(Error, ValueError) class crashed the interpreter on
-  // the H200 machine's Python 3.12 + nanobind 3.1 build; nanobind's own registration is used instead.)
-  nb::exception<Error> error(m, "Error", PyExc_RuntimeError);
-  nb::exception<ArgumentError>(m, "ArgumentError", PyExc_ValueError);
-  nb::exception<UnsupportedError>(m, "UnsupportedError", error);
-  nb::exception<CudaError>(m, "CudaError", error);
+  // The library's exceptions become attnres.errors' classes (one base, AttnResError; ArgumentError is also a
+  // ValueError), registered by the package at import through _set_error_types. Defined in Python: a class
+  // with two bases is plain there, and its __module__ reads "attnres" in tracebacks.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    const auto raise = [](PyObject* type, PyObject* fallback, const char* what) {
+      PyErr_SetString(type ? type : fallback, what);
+    };
+    try {
+      std::rethrow_exception(p);
+    } catch (const ArgumentError& e) {
+      raise(error_types().argument, PyExc_ValueError, e.what());
+    } catch (const UnsupportedError& e) {
+      raise(error_types().unsupported, PyExc_RuntimeError, e.what());
+    } catch (const CudaError& e) {
+      raise(error_types().cuda, PyExc_RuntimeError, e.what());
+    } catch (const Error& e) {
+      raise(error_types().base, PyExc_RuntimeError, e.what());
+    }
+  });
+  m.def("_set_error_types", [](nb::handle base, nb::handle argument, nb::handle unsupported, nb::handle cuda) {
+    ErrorTypes& t = error_types();
+    t.base = base.inc_ref().ptr();  // kept for the process's lifetime
+    t.argument = argument.inc_ref().ptr();
+    t.unsupported = unsupported.inc_ref().ptr();
+    t.cuda = cuda.inc_ref().ptr();
+  });
 
   nb::enum_<DType>(m, "DType")
       .value("bf16", DType::bf16)
@@ -226,4 +254,5 @@ NB_MODULE(_C, m) {
   m.def("run", &run, nb::arg("op"), nb::arg("args"), nb::arg("options"), nb::call_guard<nb::gil_scoped_release>());
   bind_moe_finalize(m);
   bind_all_reduce(m);
+  bind_call(m);
 }

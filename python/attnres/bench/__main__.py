@@ -9,8 +9,8 @@ import torch
 
 import attnres
 
-from . import (allreduce, chain, decode, finalize, floors, fp8, guard, peers, persistent, persistent_variants, results,
-               topology, tp, tune)
+from . import (allreduce, chain, decode, finalize, floors, fp8, guard, host, peers, persistent, persistent_variants,
+               results, topology, tp, tune)
 
 
 def _progress_printer():
@@ -49,6 +49,8 @@ SUITES = {
            "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all')",
     "allreduce": "the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower bound: local "
                  "memory instead of NVLink) against the plain op and the unfused all_reduce + op, T = 1..32",
+    "host": "the host cost of one eager call (T = 1, N = 9, H = 7168), issued back to back, against an eager "
+            "add + rms_norm and torch.empty_like in the same run (--device cpu: on the CPU backend)",
     "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
     "all": "floors, decode, tune, finalize and chain",
     "plot": "draw the PNGs of existing results files (--out, comma-separated) into --plots (no GPU needed)",
@@ -110,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in make_plots((args.out or "bench_results.json").split(","), args.plots):
             print(path)
         return 0
-    if args.device == "cpu" and args.suite not in ("chain", "tp", "allreduce"):
-        p.error("--device cpu applies to the chain, tp and allreduce suites only")
+    if args.device == "cpu" and args.suite not in ("chain", "tp", "allreduce", "host"):
+        p.error("--device cpu applies to the chain, tp, allreduce and host suites only")
     if args.variants and args.suite != "persistent":
         p.error("--variants applies to the persistent suite only")
     if args.variants and args.quick:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         return _allreduce(args)
     if args.suite == "chain" and args.device == "cpu":
         return _chain_cpu(args)
+    if args.suite == "host" and args.device == "cpu":
+        return _host(args, "cpu")
     if not torch.cuda.is_available():
         print("attnres.bench needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -153,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite in ("chain", "all"):
             records += chain.run(tokens=chain_tokens, device="cuda", config=chain_config, pdl=not args.no_pdl,
                                  repeats=args.repeats, progress=progress)
+        if args.suite == "host":
+            records += host.run(device="cuda", progress=progress)
         if args.suite == "fp8":
             records += fp8.run(quick=args.quick, options=attnres.Options(pdl=not args.no_pdl), progress=progress,
                                repeats=args.repeats, pow2=args.pow2)
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in peers.summary(records):
         print(line)
     for line in topology.summary(records):
+        print(line)
+    for line in host.summary(records):
         print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")
@@ -304,6 +312,14 @@ def _allreduce(args) -> int:
     if not all(r["bitwise_equal"] for r in records):
         print("allreduce: the fused and unfused paths DIFFER (see bitwise_equal)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _host(args, device: str) -> int:
+    records = host.run(device=device)
+    results.save(args.out or "bench_results.json", results.metadata(args.commit, device=device), records, {})
+    for line in host.summary(records):
+        print(line)
     return 0
 
 

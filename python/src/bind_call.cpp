@@ -1,0 +1,289 @@
+// attnres._C.attn_res_call: one call of an attention-residual op straight from torch tensors.
+//
+// The library reaches tensors through their Python attributes (data_ptr(), shape, stride(), dtype, the device),
+// never through torch's C++ ABI, so one build of attnres runs with any torch. Reading them here, in one C++
+// call, costs a fraction of building a TensorRef per tensor in Python. Nothing here imports through DLPack or
+// synchronises a stream, so calls capture in CUDA graphs.
+#include <Python.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+
+#include "attnres/attnres.hpp"
+
+namespace nb = nanobind;
+using namespace attnres;
+
+namespace {
+
+// torch's types and the attribute names, looked up once (torch is imported by the package before any call).
+struct Torch {
+  PyObject* tensor_type = nullptr;
+  PyObject* parameter_type = nullptr;
+  PyObject* is_grad_enabled = nullptr;
+  PyObject* dispatch_stack_len = nullptr;
+  PyObject* torch_function_mode = nullptr;
+  PyObject* raw_stream = nullptr;      // torch._C._cuda_getCurrentRawStream(index) -> int (CUDA builds)
+  PyObject* current_stream = nullptr;  // torch.cuda.current_stream(index) (fallback)
+  std::array<std::pair<PyObject*, DType>, 17> dtypes{};
+  PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_is_cpu, *s_get_device, *s_requires_grad,
+      *s_device, *s_cuda_stream;
+};
+
+PyObject* attr(PyObject* o, const char* name) {
+  PyObject* r = PyObject_GetAttrString(o, name);
+  if (!r) throw nb::python_error();
+  return r;  // kept for the process's lifetime
+}
+
+const Torch& torch_api() {
+  static Torch* t = [] {
+    auto* t = new Torch();
+    PyObject* torch = PyImport_ImportModule("torch");
+    if (!torch) throw nb::python_error();
+    PyObject* C = attr(torch, "_C");
+    t->tensor_type = attr(torch, "Tensor");
+    PyObject* nn = PyImport_ImportModule("torch.nn");
+    if (!nn) throw nb::python_error();
+    t->parameter_type = attr(nn, "Parameter");
+    t->is_grad_enabled = attr(torch, "is_grad_enabled");
+    t->dispatch_stack_len = attr(C, "_len_torch_dispatch_stack");
+    t->torch_function_mode = attr(C, "_is_torch_function_mode_enabled");
+    t->raw_stream = PyObject_GetAttrString(C, "_cuda_getCurrentRawStream");
+    if (!t->raw_stream) PyErr_Clear();
+    PyObject* cuda = attr(torch, "cuda");
+    t->current_stream = attr(cuda, "current_stream");
+    const std::pair<const char*, DType> names[] = {
+        {"bfloat16", DType::bf16}, {"float32", DType::f32}, {"int32", DType::i32}, {"float16", DType::f16},
+        {"float64", DType::f64},   {"int64", DType::i64},   {"uint8", DType::u8},  {"bool", DType::boolean},
+        {"int8", DType::i8},       {"int16", DType::i16},   {"uint16", DType::u16}, {"uint32", DType::u32},
+        {"uint64", DType::u64},    {"complex32", DType::c32}, {"complex64", DType::c64},
+        {"complex128", DType::c128}, {"float8_e4m3fn", DType::e4m3}};
+    for (size_t i = 0; i < t->dtypes.size(); ++i) t->dtypes[i] = {attr(torch, names[i].first), names[i].second};
+    t->s_data_ptr = PyUnicode_InternFromString("data_ptr");
+    t->s_shape = PyUnicode_InternFromString("shape");
+    t->s_stride = PyUnicode_InternFromString("stride");
+    t->s_dtype = PyUnicode_InternFromString("dtype");
+    t->s_is_cuda = PyUnicode_InternFromString("is_cuda");
+    t->s_is_cpu = PyUnicode_InternFromString("is_cpu");
+    t->s_get_device = PyUnicode_InternFromString("get_device");
+    t->s_requires_grad = PyUnicode_InternFromString("requires_grad");
+    t->s_device = PyUnicode_InternFromString("device");
+    t->s_cuda_stream = PyUnicode_InternFromString("cuda_stream");
+    return t;
+  }();
+  return *t;
+}
+
+// A new reference, or a thrown python_error.
+PyObject* checked(PyObject* r) {
+  if (!r) throw nb::python_error();
+  return r;
+}
+
+struct Ref {
+  PyObject* p;
+  explicit Ref(PyObject* o) : p(checked(o)) {}
+  ~Ref() { Py_DECREF(p); }
+  Ref(const Ref&) = delete;
+  Ref& operator=(const Ref&) = delete;
+};
+
+int64_t as_int(PyObject* o) {
+  const long long v = PyLong_AsLongLong(o);
+  if (v == -1 && PyErr_Occurred()) throw nb::python_error();
+  return v;
+}
+
+bool truth(PyObject* o) {
+  const int r = PyObject_IsTrue(o);
+  if (r < 0) throw nb::python_error();
+  return r == 1;
+}
+
+bool plain(PyObject* o, const Torch& t) {
+  PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
+  return type == t.tensor_type || type == t.parameter_type;
+}
+
+// Rows arguments ([T, H] tensors of the token rows) may come as [T, 1, H]: read as [T, H] through strides.
+TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* name, bool rows) {
+  TensorRef r;
+  if (o == Py_None) return r;
+  if (!PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type)))
+    throw ArgumentError(std::string(op) + ": " + name + " must be a torch.Tensor, got " + Py_TYPE(o)->tp_name);
+  {
+    Ref dtype(PyObject_GetAttr(o, t.s_dtype));
+    r.dtype = DType::other;
+    for (const auto& [obj, code] : t.dtypes)
+      if (obj == dtype.p) r.dtype = code;
+  }
+  {
+    Ref is_cuda(PyObject_GetAttr(o, t.s_is_cuda));
+    if (truth(is_cuda.p)) {
+      Ref index(PyObject_CallMethodNoArgs(o, t.s_get_device));
+      r.device = Device{DeviceType::cuda, static_cast<int32_t>(as_int(index.p))};
+    } else {
+      Ref is_cpu(PyObject_GetAttr(o, t.s_is_cpu));
+      if (!truth(is_cpu.p)) {
+        Ref dev(PyObject_GetAttr(o, t.s_device));
+        Ref text(PyObject_Str(dev.p));
+        throw ArgumentError(std::string(op) + ": " + name + " is on " + PyUnicode_AsUTF8(text.p) +
+                            ": only cpu and cuda tensors are supported");
+      }
+      r.device = Device{DeviceType::cpu, 0};
+    }
+  }
+  Ref shape(PyObject_GetAttr(o, t.s_shape));
+  Ref stride(PyObject_CallMethodNoArgs(o, t.s_stride));
+  const Py_ssize_t ndim = PyTuple_Size(shape.p);
+  if (ndim < 0) throw nb::python_error();
+  const bool squeeze = rows && ndim == 3 && as_int(PyTuple_GET_ITEM(shape.p, 1)) == 1;
+  const Py_ssize_t kept = squeeze ? 2 : ndim;
+  if (kept > kMaxRank)
+    throw ArgumentError(std::string(op) + ": " + name + " has rank " + std::to_string(ndim) +
+                        ": the library takes tensors of rank <= " + std::to_string(kMaxRank));
+  r.ndim = static_cast<int32_t>(kept);
+  for (Py_ssize_t i = 0, j = 0; i < ndim; ++i) {
+    if (squeeze && i == 1) continue;
+    r.shape[j] = as_int(PyTuple_GET_ITEM(shape.p, i));
+    r.strides[j] = as_int(PyTuple_GET_ITEM(stride.p, i));
+    ++j;
+  }
+  Ref ptr(PyObject_CallMethodNoArgs(o, t.s_data_ptr));
+  r.data = reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr.p)));
+  if (PyErr_Occurred()) throw nb::python_error();
+  return r;
+}
+
+// The caller's current stream on a CUDA device, as torch sees it.
+void* current_stream(const Torch& t, int32_t index) {
+  if (t.raw_stream) {
+    Ref s(PyObject_CallFunction(t.raw_stream, "i", index));
+    return reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(s.p)));
+  }
+  Ref stream(PyObject_CallFunction(t.current_stream, "i", index));
+  Ref handle(PyObject_GetAttr(stream.p, t.s_cuda_stream));
+  return reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(handle.p)));
+}
+
+Fp8Scales fp8_mode(const char* op, PyObject* fp8) {
+  if (fp8 == Py_None) return Fp8Scales::none;
+  if (PyUnicode_Check(fp8)) {
+    const char* s = PyUnicode_AsUTF8(fp8);
+    if (!s) throw nb::python_error();
+    const std::string v(s);
+    if (v == "none") return Fp8Scales::none;
+    if (v == "per_token") return Fp8Scales::per_token;
+    if (v == "block128") return Fp8Scales::block128;
+  }
+  Ref text(PyObject_Repr(fp8));
+  throw ArgumentError(std::string(op) + ": fp8 must be None, 'per_token' or 'block128', got " +
+                      PyUnicode_AsUTF8(text.p));
+}
+
+// The argument slots of attn_res_call, in order (what the Python layer passes).
+constexpr const char* kSlots[] = {"layer_residual", "layer_residual_add", "layer_residual_add2", "block_residual",
+                                  "res_weight",     "rms_weight",         "norm_weight",         "output",
+                                  "updated",        "mixture",            "rsigma",              "probs",
+                                  "logits",         "output_fp8",         "fp8_scales"};
+constexpr int kNumSlots = sizeof(kSlots) / sizeof(kSlots[0]);
+constexpr bool kRows[kNumSlots] = {true, true, true, false, false, false, false, true,
+                                   true, true, false, false, false, true, false};
+
+TensorRef* slot(AttnResArgs& a, int i) {
+  TensorRef* refs[kNumSlots] = {&a.layer_residual, &a.layer_residual_add, &a.layer_residual_add2,
+                                &a.block_residual, &a.res_weight,         &a.rms_weight,
+                                &a.norm_weight,    &a.output,             &a.updated,
+                                &a.mixture,        &a.rsigma,             &a.probs,
+                                &a.logits,         &a.output_fp8,         &a.fp8_scales};
+  return refs[i];
+}
+
+}  // namespace
+
+// A snapshot call takes the whole bank [rows, T, H] and the candidate count K: the candidates are its first K
+// rows and the snapshot row must be one of its rows, so nothing outside the tensor the schema declares as
+// mutated is written. Trims block_residual to the K candidate rows (keeping the bank's base pointer).
+void apply_bank_rows(const std::string& name, AttnResArgs& a, int64_t num_snapshots) {
+  if (num_snapshots == -1) return;  // block_residual is the candidates
+  if (num_snapshots < 0)
+    throw ArgumentError(name + ": num_snapshots must be >= 0, got " + std::to_string(num_snapshots));
+  TensorRef& bank = a.block_residual;
+  if (!bank.present() || bank.ndim != 3) return;  // validate() rejects the rank
+  const int64_t rows = bank.shape[0];
+  if (num_snapshots > rows)
+    throw ArgumentError(name + ": num_snapshots " + std::to_string(num_snapshots) + " exceeds the bank's " +
+                        std::to_string(rows) + " rows");
+  if (a.snapshot_slot >= rows)
+    throw ArgumentError(name + ": snapshot_slot " + std::to_string(a.snapshot_slot) + " lies outside the bank's " +
+                        std::to_string(rows) + " rows (the bank must hold at least " +
+                        std::to_string(a.snapshot_slot + 1) + " snapshot rows)");
+  bank.shape[0] = num_snapshots;
+}
+
+void bind_call(nb::module_& m) {
+  // Runs the op; returns False without doing anything when `direct` and the call needs torch's dispatcher
+  // (a tensor subclass, an argument that is not a tensor, autograd, an active dispatch or function mode):
+  // the Python layer then goes through torch.ops.attnres.*.
+  m.def(
+      "attn_res_call",
+      [](AttnResOp op, nb::tuple tensors, double rms_eps, double norm_eps, int64_t snapshot_slot,
+         int64_t num_snapshots, nb::handle fp8, bool fp8_pow2_scales, const Options& options, bool direct) {
+        const Torch& t = torch_api();
+        const char* name = op_name(op);
+        if (tensors.size() != static_cast<size_t>(kNumSlots))
+          throw ArgumentError(std::string(name) + ": attn_res_call takes " + std::to_string(kNumSlots) +
+                              " tensor slots");
+        if (direct) {
+          for (int i = 0; i < kNumSlots; ++i) {
+            PyObject* o = tensors[i].ptr();
+            if (o != Py_None && !plain(o, t)) return false;
+          }
+          if (as_int(Ref(PyObject_CallNoArgs(t.dispatch_stack_len)).p) != 0) return false;
+          if (truth(Ref(PyObject_CallNoArgs(t.torch_function_mode)).p)) return false;
+          if (truth(Ref(PyObject_CallNoArgs(t.is_grad_enabled)).p)) {
+            for (int i = 0; i < kNumSlots; ++i) {
+              PyObject* o = tensors[i].ptr();
+              if (o != Py_None && truth(Ref(PyObject_GetAttr(o, t.s_requires_grad)).p)) return false;
+            }
+          }
+        }
+        AttnResArgs a;
+        for (int i = 0; i < kNumSlots; ++i) *slot(a, i) = read_tensor(tensors[i].ptr(), t, name, kSlots[i], kRows[i]);
+        a.rms_eps = rms_eps;
+        a.norm_eps = norm_eps;
+        a.snapshot_slot = snapshot_slot;
+        a.fp8 = fp8_mode(name, fp8.ptr());
+        a.fp8_pow2_scales = fp8_pow2_scales;
+        apply_bank_rows(name, a, num_snapshots);
+        if (a.layer_residual.device.type == DeviceType::cuda && a.layer_residual.device.index >= 0)
+          a.stream = current_stream(t, a.layer_residual.device.index);
+        {
+          nb::gil_scoped_release release;
+          run(op, a, options);
+        }
+        return true;
+      },
+      nb::arg("op"), nb::arg("tensors"), nb::arg("rms_eps"), nb::arg("norm_eps"), nb::arg("snapshot_slot"),
+      nb::arg("num_snapshots"), nb::arg("fp8").none(), nb::arg("fp8_pow2_scales"), nb::arg("options"),
+      nb::arg("direct"));
+
+  // The same preconditions for a traced (fake) call: TensorRefs of the fake tensors (synthetic addresses), the
+  // bank's rows rule, then validate() without requiring the outputs.
+  m.def(
+      "attn_res_check",
+      [](AttnResOp op, AttnResArgs a, int64_t num_snapshots, nb::handle fp8) {
+        a.fp8 = fp8_mode(op_name(op), fp8.ptr());
+        apply_bank_rows(op_name(op), a, num_snapshots);
+        validate(op, a, /*require_outputs=*/false);
+      },
+      nb::arg("op"), nb::arg("args"), nb::arg("num_snapshots"), nb::arg("fp8").none());
+  // The bank rule alone, for ops that build their AttnResArgs themselves (the fused all-reduce site).
+  m.def("attn_res_bank_rows", [](const std::string& name, AttnResArgs& a, int64_t num_snapshots) {
+    apply_bank_rows(name, a, num_snapshots);
+  });
+}
