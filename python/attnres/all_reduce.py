@@ -412,7 +412,7 @@ def supports_moe_finalize_all_reduce(tokens: int, k: int, hidden: int, world_siz
     for name, v in (("tokens", tokens), ("k", k), ("hidden", hidden), ("world_size", world_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"supports_moe_finalize_all_reduce: {name} must be an int >= 1, got {v!r}")
-    gate = knobs.CURRENT.moe_finalize_allreduce_max_tokens if max_tokens is None else max_tokens
+    gate = knobs.value("ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS") if max_tokens is None else max_tokens
     if gate == 0:
         return False, "the fused finalize + all-reduce is disabled (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS=0)"
     if tokens > gate:

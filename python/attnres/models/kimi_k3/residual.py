@@ -76,8 +76,9 @@ FP8_REFERENCE = "reference"  # attnres.fp8.quantize of the bf16 output: the site
 # ------------------------------------------------------------------------------------------------ settings
 @dataclass(frozen=True)
 class ResidualSettings:
-    """How the sites run. from_knobs() takes the values read once at import (attnres.knobs.CURRENT); a model
-    instance may carry its own (tests force each decision through these)."""
+    """How the sites run. from_knobs() takes the knobs read once per process, at the first model built without
+    settings (attnres.knobs.CURRENT; a bad value raises KnobError there); a model instance may carry its own
+    (tests force each decision through these)."""
 
     fold: bool = False  # KIMI_K3_MOE_TAIL_ADD_FOLD
     fused: bool = True  # KIMI_K3_FUSED_ATTN_RES
