@@ -8,6 +8,7 @@ import sys
 import torch
 
 import attnres
+from attnres.models.kimi_k3.config import HIDDEN_RULE, hidden_supported
 
 from . import (allreduce, chain, decode, finalize, floors, fp8, guard, peers, persistent, persistent_variants, results,
                topology, tp, tune)
@@ -116,9 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--variants applies to the persistent suite only")
     if args.variants and args.quick:
         p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9): drop --quick")
-    if args.suite == "persistent" and args.hidden is not None and (
-            args.hidden % 8 or not 8 <= args.hidden <= 16384):
-        p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
+    if args.suite == "persistent" and args.hidden is not None and not hidden_supported(args.hidden):
+        p.error(f"--hidden must be {HIDDEN_RULE}, got {args.hidden}")
     if args.suite == "tp":
         return _tp(args, p)
     if args.suite == "guard":

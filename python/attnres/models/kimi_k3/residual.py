@@ -36,7 +36,7 @@ from attnres import fp8 as _fp8
 from attnres import knobs as _knobs
 from attnres.options import TOPOLOGIES, Options
 
-from .config import BANK_LAYOUTS, MAX_CANDIDATES
+from .config import BANK_LAYOUTS, MAX_CANDIDATES, hidden_supported
 
 log = logging.getLogger("attnres.models.kimi_k3")
 
@@ -221,7 +221,7 @@ def tail_route(settings: ResidualSettings, *, tokens: int, hidden: int, dtype: t
         return Route(MATERIALIZE, reason=WINDOW, detail=f"T = {tokens} > {settings.max_tokens}")
     if dtype != BF16:
         return Route(MATERIALIZE, reason=DTYPE)
-    if hidden % 8 or not 8 <= hidden <= 16384:
+    if not hidden_supported(hidden):
         return Route(MATERIALIZE, reason=HIDDEN)
     return Route(DEFER)
 
