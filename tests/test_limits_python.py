@@ -25,21 +25,21 @@ def test_the_all_reduce_limits_are_in_the_dict_and_agree_with_the_module_constan
     assert LIMITS["all_reduce_slots"] >= 1
 
 
-@pytest.mark.parametrize("module, name, key", [
-    ("attnres.options", "MAX_CLUSTER", "max_cluster"),
-    ("attnres.models.kimi_k3.config", "MAX_CANDIDATES", "max_candidates"),
-    ("attnres.models.kimi_k3.config", "MAX_HIDDEN", "max_hidden"),
-    ("attnres.models.kimi_k3.config", "HIDDEN_MULTIPLE", "hidden_multiple"),
-    ("attnres.tp.communicator", "MAX_WORLD", "all_reduce_max_world"),
-    ("attnres.tp.communicator", "MAX_WIDTH", "all_reduce_max_width"),
-    ("attnres.tp.communicator", "WIDTH_MULTIPLE", "all_reduce_width_multiple"),
-    ("attnres.tp.communicator", "SLOTS", "all_reduce_slots"),
-    ("attnres.all_reduce", "_MAX_ROUTES", "moe_finalize_max_routes"),
-    ("attnres.all_reduce", "_MAX_WIDTH", "all_reduce_max_width"),
-    ("attnres.all_reduce", "_WIDTH_MULTIPLE", "all_reduce_width_multiple"),
-    ("attnres.moe_tail", "MAX_TOKENS", "moe_finalize_max_tokens"),
-    ("attnres.moe_tail", "MAX_ROUTES", "moe_finalize_max_routes"),
-], ids=lambda v: v if isinstance(v, str) else None)
+# module -> {its constant: the _C.limits key it must equal}
+PYTHON_LIMITS = {
+    "attnres.options": {"MAX_CLUSTER": "max_cluster"},
+    "attnres.models.kimi_k3.config": {"MAX_CANDIDATES": "max_candidates", "MAX_HIDDEN": "max_hidden",
+                                      "HIDDEN_MULTIPLE": "hidden_multiple"},
+    "attnres.tp.communicator": {"MAX_WORLD": "all_reduce_max_world", "MAX_WIDTH": "all_reduce_max_width",
+                                "WIDTH_MULTIPLE": "all_reduce_width_multiple", "SLOTS": "all_reduce_slots"},
+    "attnres.all_reduce": {"_MAX_ROUTES": "moe_finalize_max_routes", "_MAX_WIDTH": "all_reduce_max_width",
+                           "_WIDTH_MULTIPLE": "all_reduce_width_multiple"},
+    "attnres.moe_tail": {"MAX_TOKENS": "moe_finalize_max_tokens", "MAX_ROUTES": "moe_finalize_max_routes"},
+}
+CASES = [(module, name, key) for module, names in PYTHON_LIMITS.items() for name, key in names.items()]
+
+
+@pytest.mark.parametrize("module, name, key", CASES, ids=[f"{m}.{n}" for m, n, _ in CASES])
 def test_each_python_limit_is_read_from_the_library(module, name, key):
     assert getattr(importlib.import_module(module), name) == LIMITS[key]
 

@@ -28,11 +28,12 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import _C, knobs
+from . import _C
 from ._custom_ops import _OPS, _fake_check, check_bank_in_storage
 from ._custom_ops_variants import _check_num_snapshots, snapshot_candidates
 from ._registry import custom_op, note_writes
 from ._tensors import ABSENT, _hint, fake_refs, ref, stream_of
+from .moe_gate import token_gate
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
 KERNELS = ("auto", "cpu", "single_cta")
@@ -413,10 +414,8 @@ def supports_moe_finalize_all_reduce(tokens: int, k: int, hidden: int, world_siz
     """(True, "") when moe_finalize_all_reduce takes T = tokens, k routes, D = hidden over world_size ranks with
     dtypes (rows, weights) on `device`; else (False, why). The token gate is
     ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS (attnres.knobs); `max_tokens` overrides it for one query."""
-    for name, v in (("tokens", tokens), ("k", k), ("hidden", hidden), ("world_size", world_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"supports_moe_finalize_all_reduce: {name} must be an int >= 1, got {v!r}")
-    gate = knobs.value("ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS") if max_tokens is None else max_tokens
+    gate = token_gate("supports_moe_finalize_all_reduce", "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS", max_tokens,
+                      tokens=tokens, k=k, hidden=hidden, world_size=world_size)
     if gate == 0:
         return False, "the fused finalize + all-reduce is disabled (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS=0)"
     if tokens > gate:

@@ -36,6 +36,13 @@ class KnobError(ValueError):
     """A knob's value does not follow the grammar."""
 
 
+def _text(raw: str | None) -> str | None:
+    """The value without the whitespace around it; None for an unset or blank knob (it takes its default)."""
+    if raw is None or raw.strip() == "":
+        return None
+    return raw.strip()
+
+
 @dataclass(frozen=True)
 class IntKnob:
     name: str
@@ -45,9 +52,9 @@ class IntKnob:
     doc: str
 
     def parse(self, raw: str | None) -> int:
-        if raw is None or raw.strip() == "":
+        text = _text(raw)
+        if text is None:
             return self.default
-        text = raw.strip()
         if not _INT.fullmatch(text):
             raise KnobError(f"{self.name}: expected a base-10 integer in [{self.lo}, {self.hi}], got {raw!r}")
         try:
@@ -69,9 +76,9 @@ class BoolKnob:
     doc: str
 
     def parse(self, raw: str | None) -> bool:
-        if raw is None or raw.strip() == "":
+        text = _text(raw)
+        if text is None:
             return self.default
-        text = raw.strip()
         if text not in ("0", "1"):
             raise KnobError(f"{self.name}: expected 0 or 1, got {raw!r}")
         return text == "1"
@@ -85,9 +92,9 @@ class WordKnob:
     doc: str
 
     def parse(self, raw: str | None) -> str:
-        if raw is None or raw.strip() == "":
+        text = _text(raw)
+        if text is None:
             return self.default
-        text = raw.strip()
         if text not in self.words:
             raise KnobError(f"{self.name}: expected one of {', '.join(self.words)}, got {raw!r}")
         return text

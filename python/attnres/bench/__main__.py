@@ -185,18 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         launch = extra["floors"].get("launch")
         print(f"floors: copy {extra['floors']['copy_tbs']:.2f} TB/s"
               + (f", launch {launch['median_us']:.2f} us/node" if launch else ""))
-    for line in chain.summary(records):
-        print(line)
-    for line in persistent.summary(records):
-        print(line)
-    for line in persistent_variants.summary(records):
-        print(line)
-    for line in fp8.summary(records):
-        print(line)
-    for line in peers.summary(records):
-        print(line)
-    for line in topology.summary(records):
-        print(line)
+    for suite in (chain, persistent, persistent_variants, fp8, peers, topology):
+        for line in suite.summary(records):
+            print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")
     ok = _chains_agree(records) and _fp8_agrees(records) and _variants_agree(records)
