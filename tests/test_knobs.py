@@ -1,6 +1,7 @@
 """Every environment knob (attnres.knobs.KNOBS) against the grammar of docs/knobs.md: valid values, whitespace,
 garbage -> KnobError naming the knob, the allowed values and the raw value; integers outside the range clamped
-with exactly one logged notice; booleans exactly 0/1; words exactly as listed; read once at import."""
+with exactly one logged notice; booleans exactly 0/1; words exactly as listed; read once, at the first use
+(tests/test_knobs_not_read_by_ops.py: who reads them)."""
 
 from __future__ import annotations
 
@@ -162,7 +163,7 @@ def test_knob_error_is_a_value_error():
 
 
 # ------------------------------------------------------------------------------------------------ read once
-def test_current_is_not_reread_after_import(monkeypatch):
+def test_current_is_not_reread_after_the_first_read(monkeypatch):
     before = knobs.CURRENT
     flipped = {"KIMI_K3_MOE_TAIL_ADD_FOLD": "0" if before.moe_tail_add_fold else "1",
                "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": str(before.fused_attn_res_max_tokens + 1),
@@ -184,7 +185,7 @@ def _python(code: str, env_updates: dict[str, str]) -> subprocess.CompletedProce
                           timeout=120)
 
 
-def test_import_reads_the_environment_once_and_fails_on_a_typo():
+def test_first_read_takes_the_environment_once_and_a_typo_fails_at_the_model_build():
     code = ("import os, attnres.knobs as k; a = k.CURRENT; os.environ['KIMI_K3_MOE_TAIL_ADD_FOLD'] = '0'; "
             "import attnres.models.kimi_k3 as m; s = m.ResidualSettings.from_knobs(); "
             "print(a.moe_tail_add_fold, a.fused_attn_res_max_tokens, a.attn_res_topology, k.CURRENT is a, s.fold)")
@@ -193,8 +194,11 @@ def test_import_reads_the_environment_once_and_fails_on_a_typo():
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.split() == ["True", "8", "split", "True", "True"]
 
-    bad = _python("import attnres.models.kimi_k3", {"KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": "32tokens"})
+    code = ("import attnres.models.kimi_k3 as m; print('imported', flush=True); "
+            "m.KimiK3Model(m.KimiK3Config.small(hidden_size=64, num_layers=4, snapshot_block=2))")
+    bad = _python(code, {"KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS": "32tokens"})
     assert bad.returncode != 0
+    assert bad.stdout.strip() == "imported"  # importing the model package reads no knob; building it does
     assert "KnobError" in bad.stderr and "KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS" in bad.stderr
     assert "'32tokens'" in bad.stderr
 

@@ -68,7 +68,9 @@ def _add_demo(sub) -> None:
     p.add_argument("--real", action="store_true",
                    help="Kimi K3's real config (93 layers, H = 7168) also on the CPU; the default on CUDA")
     p.add_argument("--hidden", type=int, default=None,
-                   help="hidden size H, a multiple of 8 in [8, 16384] (default: 7168 on CUDA, 256 on the CPU)")
+                   help=f"hidden size H, a multiple of {attnres._C.limits['hidden_multiple']} in "
+                        f"[{attnres._C.limits['hidden_multiple']}, {attnres._C.limits['max_hidden']}] (default: 7168 on "
+                        "CUDA, 256 on the CPU)")
     p.add_argument("--layers", type=_positive, default=None, help="decoder layers (default: 93 on CUDA, 26 on the CPU)")
     p.add_argument("--block", type=_positive, default=None,
                    help="layers per snapshot block (default: 12 on CUDA, 4 on the CPU)")

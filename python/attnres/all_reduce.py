@@ -28,11 +28,12 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
-from . import _C, knobs
+from . import _C
 from ._attn_ops import check_bank_storage, fake_check
 from .ops import check_bank_in_storage
 from ._registry import custom_op, note_writes
 from ._tensors import ABSENT, _hint, fake_refs, ref, stream_of
+from .moe_gate import token_gate
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
 KERNELS = ("auto", "cpu", "single_cta")
@@ -369,7 +370,11 @@ def moe_finalize_all_reduce(comm, rows: Tensor, weights: Tensor, index: Tensor, 
 
 
 # ------------------------------------------------------------------------------------------- the gates
-MOE_WORLD_SIZES = (2, 4, 8)
+MOE_WORLD_SIZES = tuple(_C.limits["all_reduce_world_sizes"])
+_MAX_ROUTES = _C.limits["moe_finalize_max_routes"]
+_MAX_WIDTH = _C.limits["all_reduce_max_width"]
+_WIDTH_MULTIPLE = _C.limits["all_reduce_width_multiple"]
+_WORLDS_TEXT = ", ".join(map(str, MOE_WORLD_SIZES[:-1])) + f" or {MOE_WORLD_SIZES[-1]}"
 
 
 @dataclass(frozen=True)
@@ -410,24 +415,22 @@ def supports_moe_finalize_all_reduce(tokens: int, k: int, hidden: int, world_siz
     """(True, "") when moe_finalize_all_reduce takes T = tokens, k routes, D = hidden over world_size ranks with
     dtypes (rows, weights) on `device`; else (False, why). The token gate is
     ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS (attnres.knobs); `max_tokens` overrides it for one query."""
-    for name, v in (("tokens", tokens), ("k", k), ("hidden", hidden), ("world_size", world_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"supports_moe_finalize_all_reduce: {name} must be an int >= 1, got {v!r}")
-    gate = knobs.CURRENT.moe_finalize_allreduce_max_tokens if max_tokens is None else max_tokens
+    gate = token_gate("supports_moe_finalize_all_reduce", "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS", max_tokens,
+                      tokens=tokens, k=k, hidden=hidden, world_size=world_size)
     if gate == 0:
         return False, "the fused finalize + all-reduce is disabled (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS=0)"
     if tokens > gate:
         return False, f"T = {tokens} is above the token gate {gate} (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS)"
     if world_size not in MOE_WORLD_SIZES:
-        return False, f"world size {world_size} has no fused kernel (2, 4 or 8)"
+        return False, f"world size {world_size} has no fused kernel ({_WORLDS_TEXT})"
     if dtypes[0] != torch.bfloat16:
         return False, f"rows are {dtypes[0]} (the kernel reads bfloat16)"
     if dtypes[1] not in (torch.float32, torch.bfloat16):
         return False, f"weights are {dtypes[1]} (the kernel reads float32 or bfloat16)"
-    if not 1 <= k <= 32:
-        return False, f"k = {k} is outside [1, 32]"
-    if hidden % 8 != 0 or hidden > 16384:
-        return False, f"D = {hidden} is not a multiple of 8 in [8, 16384]"
+    if not 1 <= k <= _MAX_ROUTES:
+        return False, f"k = {k} is outside [1, {_MAX_ROUTES}]"
+    if hidden % _WIDTH_MULTIPLE != 0 or hidden > _MAX_WIDTH:
+        return False, f"D = {hidden} is not a multiple of {_WIDTH_MULTIPLE} in [{_WIDTH_MULTIPLE}, {_MAX_WIDTH}]"
     dev = torch.device(device)
     if dev.type == "cuda" and not _C.cuda_backend_built():
         return False, "attnres was built without the CUDA backend"

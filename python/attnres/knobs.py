@@ -1,5 +1,11 @@
-"""Every environment knob of the project, parsed by one set of rules and read once at import, so that CUDA
-graph capture and replay see the same values and a mistyped sweep fails instead of measuring the default.
+"""Every environment knob of the project, parsed by one set of rules and read once per process, at its first
+use, so that CUDA graph capture and replay see the same values and a mistyped sweep fails instead of measuring
+the default.
+
+Importing attnres reads no knob, and neither do the ops or attnres.plan: a bad model knob must not break a
+caller who only uses the ops. The model (attnres.models.kimi_k3) reads every knob (`CURRENT`) when a model or
+chain is built, which is where a bad value raises; the MoE finalize gates read only their own token gate
+(`value`), at their first query without an explicit max_tokens.
 
 Grammar (docs/knobs.md):
 * integer knobs: a base-10 integer, optionally signed, surrounded by optional whitespace, nothing else.
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -29,6 +36,13 @@ class KnobError(ValueError):
     """A knob's value does not follow the grammar."""
 
 
+def _text(raw: str | None) -> str | None:
+    """The value without the whitespace around it; None for an unset or blank knob (it takes its default)."""
+    if raw is None or raw.strip() == "":
+        return None
+    return raw.strip()
+
+
 @dataclass(frozen=True)
 class IntKnob:
     name: str
@@ -38,9 +52,9 @@ class IntKnob:
     doc: str
 
     def parse(self, raw: str | None) -> int:
-        if raw is None or raw.strip() == "":
+        text = _text(raw)
+        if text is None:
             return self.default
-        text = raw.strip()
         if not _INT.fullmatch(text):
             raise KnobError(f"{self.name}: expected a base-10 integer in [{self.lo}, {self.hi}], got {raw!r}")
         try:
@@ -62,9 +76,9 @@ class BoolKnob:
     doc: str
 
     def parse(self, raw: str | None) -> bool:
-        if raw is None or raw.strip() == "":
+        text = _text(raw)
+        if text is None:
             return self.default
-        text = raw.strip()
         if text not in ("0", "1"):
             raise KnobError(f"{self.name}: expected 0 or 1, got {raw!r}")
         return text == "1"
@@ -78,9 +92,9 @@ class WordKnob:
     doc: str
 
     def parse(self, raw: str | None) -> str:
-        if raw is None or raw.strip() == "":
+        text = _text(raw)
+        if text is None:
             return self.default
-        text = raw.strip()
         if text not in self.words:
             raise KnobError(f"{self.name}: expected one of {', '.join(self.words)}, got {raw!r}")
         return text
@@ -139,11 +153,50 @@ _FIELDS = {
 }
 
 
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
 def load(environ: Mapping[str, str] | None = None) -> Knobs:
-    """Parses every knob from `environ` (default: os.environ). Raises KnobError on the first bad value."""
+    """Parses every knob from `environ` (default: os.environ), now, uncached. Raises KnobError on the first bad
+    value."""
     env = os.environ if environ is None else environ
     return Knobs(**{_FIELDS[k.name]: k.parse(env.get(k.name)) for k in KNOBS})
 
 
-# Read once, at import.
-CURRENT: Knobs = load()
+# knob name -> its value, parsed from os.environ at the first read and never again (a value that does not
+# parse is not stored: every later read raises again).
+_read: dict[str, object] = {}
+_read_lock = threading.RLock()
+
+CURRENT: Knobs  # every knob, built at the first access (module __getattr__ below)
+
+
+def _read_once(name: str):
+    with _read_lock:
+        if name not in _read:
+            _read[name] = _BY_NAME[name].parse(os.environ.get(name))
+        return _read[name]
+
+
+def value(name: str):
+    """The value of one knob for this process: `CURRENT`'s field once CURRENT exists (built, or replaced by a
+    test), else that knob alone, read once. Another knob's bad value does not raise here."""
+    if name not in _BY_NAME:
+        raise KeyError(f"attnres.knobs: no knob named {name!r}")
+    current = globals().get("CURRENT")
+    if current is not None:
+        return getattr(current, _FIELDS[name])
+    return _read_once(name)
+
+
+def __getattr__(attr: str):
+    # CURRENT: every knob, read at the first access (module __getattr__ runs only while the global is unset),
+    # then stored as a plain module global, so every later access sees the same object.
+    if attr == "CURRENT":
+        with _read_lock:
+            current = globals().get("CURRENT")
+            if current is None:
+                current = Knobs(**{_FIELDS[k.name]: _read_once(k.name) for k in KNOBS})
+                globals()["CURRENT"] = current
+            return current
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")

@@ -18,6 +18,16 @@ from .planning import device_info
 log = logging.getLogger("attnres.moe")
 
 
+def token_gate(op: str, knob: str, max_tokens: int | None, **counts: int) -> int:
+    """A gate query's token gate: `max_tokens`, else the knob `knob` (that knob alone, read once, at the first
+    query that needs it: attnres.knobs.value). First checks `counts` (tokens, k, hidden, world_size): ints >= 1,
+    else ValueError naming `op` (no path can compute them)."""
+    for name, v in counts.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+    return knobs.value(knob) if max_tokens is None else max_tokens
+
+
 def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
                                 dtypes: tuple[torch.dtype, torch.dtype] = (torch.bfloat16, torch.float32),
                                 device="cpu", world_size: int = 1, *,
@@ -25,13 +35,11 @@ def supports_fused_moe_finalize(tokens: int, k: int, hidden: int,
     """(True, "") when the fused moe_finalize takes a call of T = tokens, k routes, D = hidden, with
     dtypes = (rows dtype, weights dtype) on `device` in a group of `world_size` ranks; else (False, why).
 
-    Cheap (no tensor is touched). The token gate is ATTNRES_MOE_FINALIZE_MAX_TOKENS (read once at import,
-    attnres.knobs; 0 disables the fused path); `max_tokens` overrides it for one query. Arguments that no
+    Cheap (no tensor is touched). The token gate is `max_tokens`, else ATTNRES_MOE_FINALIZE_MAX_TOKENS (that knob
+    alone, read once at the first query that needs it, attnres.knobs.value; 0 disables the fused path). Arguments that no
     path can compute (tokens, k or hidden < 1, world_size < 1) raise ValueError."""
-    for name, v in (("tokens", tokens), ("k", k), ("hidden", hidden), ("world_size", world_size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"supports_fused_moe_finalize: {name} must be an int >= 1, got {v!r}")
-    gate = knobs.CURRENT.moe_finalize_max_tokens if max_tokens is None else max_tokens
+    gate = token_gate("supports_fused_moe_finalize", "ATTNRES_MOE_FINALIZE_MAX_TOKENS", max_tokens, tokens=tokens,
+                      k=k, hidden=hidden, world_size=world_size)
     if gate == 0:
         return False, "the fused finalize is disabled (ATTNRES_MOE_FINALIZE_MAX_TOKENS = 0)"
     if tokens > gate:

@@ -9,6 +9,12 @@ from . import _C
 
 TOPOLOGIES = ("auto", "per_token", "persistent", "split")
 KERNELS = ("auto", "cpu", "single_cta", "split_k", "persistent")
+MAX_CLUSTER = _C.limits["max_cluster"]  # split_k's largest cluster (attnres/limits.hpp)
+INT64_MAX = 2**63 - 1  # split_max_tokens is an int64 in the C++ Options
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -25,16 +31,22 @@ class Options:
     cluster: int = 0  # split_k cluster size (0: the measured default)
 
     def __post_init__(self):
-        if self.topology not in TOPOLOGIES:
-            raise ValueError(f"Options.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
-        if self.kernel not in KERNELS:
-            raise ValueError(f"Options.kernel must be one of {KERNELS}, got {self.kernel!r}")
-        if not isinstance(self.split_max_tokens, int) or self.split_max_tokens < 0:
-            raise ValueError(f"Options.split_max_tokens must be an int >= 0, got {self.split_max_tokens!r}")
-        if not isinstance(self.cluster, int) or not 0 <= self.cluster <= 8:
-            raise ValueError(f"Options.cluster must be an int in [0, 8], got {self.cluster!r}")
+        # Every field is checked here, at construction, so that a value the C++ Options cannot hold (an int
+        # beyond int64, a bool where an int is meant) is refused with its field's name rather than deep inside
+        # a torch schema or a nanobind conversion. bool is an int subclass in Python and is refused as an int.
+        if not isinstance(self.topology, str) or self.topology not in TOPOLOGIES:
+            raise _C.ArgumentError(f"Options.topology must be one of {TOPOLOGIES}, got {self.topology!r}")
+        if not isinstance(self.kernel, str) or self.kernel not in KERNELS:
+            raise _C.ArgumentError(f"Options.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if not _is_int(self.split_max_tokens) or self.split_max_tokens < 0:
+            raise _C.ArgumentError(f"Options.split_max_tokens must be an int >= 0, got {self.split_max_tokens!r}")
+        if self.split_max_tokens > INT64_MAX:
+            raise _C.ArgumentError(f"Options.split_max_tokens must be at most {INT64_MAX} (int64), "
+                                   f"got {self.split_max_tokens!r}")
         if not isinstance(self.pdl, bool):
-            raise ValueError(f"Options.pdl must be a bool, got {self.pdl!r}")
+            raise _C.ArgumentError(f"Options.pdl must be a bool, got {self.pdl!r}")
+        if not _is_int(self.cluster) or not 0 <= self.cluster <= MAX_CLUSTER:
+            raise _C.ArgumentError(f"Options.cluster must be an int in [0, {MAX_CLUSTER}], got {self.cluster!r}")
 
     def to_c(self) -> _C.Options:
         o = _C.Options()

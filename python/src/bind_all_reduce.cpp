@@ -5,6 +5,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <iterator>
 #include <vector>
 
 #include "attnres/attnres.hpp"
@@ -19,6 +20,15 @@ void bind_all_reduce(nb::module_& m) {
   m.attr("ALL_REDUCE_ERROR_TOKEN_MISMATCH") = kAllReduceErrorTokenMismatch;
   m.attr("ALL_REDUCE_ERROR_WIDTH_MISMATCH") = kAllReduceErrorWidthMismatch;
   m.attr("ALL_REDUCE_HEADER_ROWS") = kAllReduceHeaderRows;
+
+  // The all-reduce's limits join attnres._C.limits (module.cpp builds it before this runs).
+  nb::dict limits = nb::cast<nb::dict>(m.attr("limits"));
+  limits["all_reduce_max_world"] = kAllReduceMaxWorld;
+  limits["all_reduce_world_sizes"] =
+      std::vector<int32_t>(std::begin(kAllReduceWorldSizes), std::end(kAllReduceWorldSizes));
+  limits["all_reduce_max_width"] = kAllReduceMaxWidth;
+  limits["all_reduce_width_multiple"] = kAllReduceWidthMultiple;
+  limits["all_reduce_slots"] = kAllReduceSlots;  // buffer regions a communicator allocates per (rank, source)
 
   nb::class_<CommRef>(m, "CommRef")
       .def(nb::init<>())

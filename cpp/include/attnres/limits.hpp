@@ -22,6 +22,11 @@ constexpr int64_t kMoeFinalizeMaxTokens = 16384;
 constexpr int64_t kMoeFinalizeMaxHidden = 16384;
 constexpr int64_t kMoeFinalizeHiddenMultiple = 8;
 
+// all_reduce and the ops fused with it: the world sizes the one-shot kernels are built for (every rank's
+// partial is read in one pass of an unrolled loop over W; a world outside this set takes NCCL).
+constexpr int32_t kAllReduceWorldSizes[] = {2, 4, 8};
+constexpr int kNumAllReduceWorldSizes = sizeof(kAllReduceWorldSizes) / sizeof(kAllReduceWorldSizes[0]);
+
 // Compile-time buckets of N the per-token kernels are instantiated for (registers and instructions per
 // thread scale with the bucket; N itself is a runtime value <= the bucket). Why these: plan_tuning.hpp.
 constexpr int32_t kCandidateBuckets[] = {2, 4, 9, 12, 16};
@@ -50,6 +55,7 @@ constexpr bool is_bucket(int64_t n) {
 }  // namespace limits_detail
 
 static_assert(limits_detail::buckets_ascending(), "candidate buckets must be strictly ascending");
+static_assert(kAllReduceWorldSizes[0] >= 2, "a one-shot all-reduce world has at least 2 ranks");
 static_assert(kCandidateBuckets[kNumCandidateBuckets - 1] == kMaxCandidates,
               "the largest per-token bucket must be the ops' N limit");
 static_assert(limits_detail::is_bucket(kSingleCtaMaxCandidates), "single_cta's N limit must be a bucket");

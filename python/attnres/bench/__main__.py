@@ -8,6 +8,7 @@ import sys
 import torch
 
 import attnres
+from attnres.models.kimi_k3.config import HIDDEN_RULE, hidden_supported
 
 from . import (allreduce, chain, decode, finalize, floors, fp8, guard, host, peers, persistent, persistent_variants,
                results, topology, tp, tune)
@@ -118,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--variants applies to the persistent suite only")
     if args.variants and args.quick:
         p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9): drop --quick")
-    if args.suite == "persistent" and args.hidden is not None and (
-            args.hidden % 8 or not 8 <= args.hidden <= 16384):
-        p.error(f"--hidden must be a multiple of 8 in [8, 16384], got {args.hidden}")
+    if args.suite == "persistent" and args.hidden is not None and not hidden_supported(args.hidden):
+        p.error(f"--hidden must be {HIDDEN_RULE}, got {args.hidden}")
     if args.suite == "tp":
         return _tp(args, p)
     if args.suite == "guard":
@@ -191,20 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         launch = extra["floors"].get("launch")
         print(f"floors: copy {extra['floors']['copy_tbs']:.2f} TB/s"
               + (f", launch {launch['median_us']:.2f} us/node" if launch else ""))
-    for line in chain.summary(records):
-        print(line)
-    for line in persistent.summary(records):
-        print(line)
-    for line in persistent_variants.summary(records):
-        print(line)
-    for line in fp8.summary(records):
-        print(line)
-    for line in peers.summary(records):
-        print(line)
-    for line in topology.summary(records):
-        print(line)
-    for line in host.summary(records):
-        print(line)
+    for suite in (chain, persistent, persistent_variants, fp8, peers, topology, host):
+        for line in suite.summary(records):
+            print(line)
     for row in results.targets(records):
         print(f"{row[0]}: {row[1]}: {row[2]} -> {'met' if row[3] else 'MISSED'}")
     ok = _chains_agree(records) and _fp8_agrees(records) and _variants_agree(records)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 import attnres
 from attnres.models.kimi_k3 import ChainTrace, KimiK3Config, ResidualSettings, compare_outputs, compare_traces
-from attnres.all_reduce import record_all_reduce_decisions
+from attnres.all_reduce import MOE_WORLD_SIZES, record_all_reduce_decisions
 from attnres.models.kimi_k3.residual import FUSED_ADD2, PendingPartial
 from attnres.models.kimi_k3.sublayers import _LayerRandom
 from attnres.models.kimi_k3.tp import (FUSED, ROUTED_SCALE, FusedAllReduce, Shards, StandInRoutedExperts, TPMoE,
@@ -280,7 +280,7 @@ def chain_checks(ctx: RankContext, config: KimiK3Config, tokens: int, *, steps: 
             bad = ranks_disagree(ctx, trace_tensors(f_out, f_trace))
             checks.append(Check(f"{s} fold {'on' if fold else 'off'}: one-shot ops: every rank holds the same bits", not bad,
                                 f"ranks {bad} differ from rank 0" if bad else f"{len(decisions)} reductions"))
-            if W in (2, 4, 8):
+            if W in MOE_WORLD_SIZES:
                 # At W = 2 the one-shot sum (fp32, rounded once) is NCCL's/gloo's bf16 add bit for bit.
                 diffs = (compare_traces(trace, f_trace) + compare_outputs(out, f_out)) if W == 2 else []
                 want = {"attention", "moe_finalize"} | ({"shared"} if fold else set())

@@ -21,18 +21,10 @@ import json
 import os
 import time
 
+from attnres.__main__ import _tokens  # the demo's --tokens: comma-separated T values >= 1
+
 from . import checks as C
 from .launch import init, launch, resolve_one_gpu_device, shutdown, under_torchrun
-
-
-def _tokens(text: str) -> tuple[int, ...]:
-    try:
-        tokens = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        tokens = ()
-    if not tokens or min(tokens) < 1:
-        raise argparse.ArgumentTypeError(f"--tokens must be comma-separated integers >= 1, got {text!r}")
-    return tokens
 
 
 def _config(opts: dict, device_type: str):

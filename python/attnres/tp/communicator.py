@@ -28,11 +28,13 @@ from torch import Tensor
 
 from .. import _C
 
-SLOTS = 3
+SLOTS = _C.limits["all_reduce_slots"]
 SENTINEL_BITS = -32768  # int16 view of bf16 -0.0 (0x8000)
 DEFAULT_TIMEOUT_S = 10.0  # generous: W processes on one GPU progress only at context switches
 STATE_WORDS = _C.ALL_REDUCE_STATE_WORDS
-MAX_WORLD = _C.ALL_REDUCE_MAX_WORLD
+MAX_WORLD = _C.limits["all_reduce_max_world"]
+MAX_WIDTH = _C.limits["all_reduce_max_width"]
+WIDTH_MULTIPLE = _C.limits["all_reduce_width_multiple"]
 HEADER_ROWS = _C.ALL_REDUCE_HEADER_ROWS
 
 
@@ -61,8 +63,9 @@ def _check_shape_args(world_size: int, capacity: int, width: int, timeout_s: flo
         raise _C.ArgumentError(f"Communicator: world_size must be an int in [1, {MAX_WORLD}], got {world_size!r}")
     if not isinstance(capacity, int) or capacity < 1:
         raise _C.ArgumentError(f"Communicator: capacity must be an int >= 1 (tokens per call), got {capacity!r}")
-    if not isinstance(width, int) or not (8 <= width <= 16384 and width % 8 == 0):
-        raise _C.ArgumentError(f"Communicator: width must be a multiple of 8 in [8, 16384], got {width!r}")
+    if not isinstance(width, int) or not (WIDTH_MULTIPLE <= width <= MAX_WIDTH and width % WIDTH_MULTIPLE == 0):
+        raise _C.ArgumentError(f"Communicator: width must be a multiple of {WIDTH_MULTIPLE} in [{WIDTH_MULTIPLE}, "
+                               f"{MAX_WIDTH}], got {width!r}")
     if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
         raise _C.ArgumentError(f"Communicator: timeout_s must be finite and > 0, got {timeout_s!r}")
 

@@ -6,10 +6,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from attnres import _C
+
 BANK_LAYOUTS = ("snapshot_major", "token_major")
 
-# The per-token kernels (and the library) take N <= 16 candidates (ops.md, supported range).
-MAX_CANDIDATES = 16
+# The library's supported range (attnres/limits.hpp, read through attnres._C.limits; ops.md).
+MAX_CANDIDATES = _C.limits["max_candidates"]
+MAX_HIDDEN = _C.limits["max_hidden"]
+HIDDEN_MULTIPLE = _C.limits["hidden_multiple"]
+
+
+def hidden_supported(hidden) -> bool:
+    """Whether the ops take hidden size `hidden`: an int, a multiple of HIDDEN_MULTIPLE in [HIDDEN_MULTIPLE,
+    MAX_HIDDEN]."""
+    return (isinstance(hidden, int) and not isinstance(hidden, bool) and HIDDEN_MULTIPLE <= hidden <= MAX_HIDDEN
+            and hidden % HIDDEN_MULTIPLE == 0)
+
+
+HIDDEN_RULE = f"a multiple of {HIDDEN_MULTIPLE} in [{HIDDEN_MULTIPLE}, {MAX_HIDDEN}]"
 
 
 def kimi_k3_full_attention_layers(num_layers: int = 93) -> tuple[int, ...]:
@@ -48,8 +62,8 @@ class KimiK3Config:
 
     def __post_init__(self):
         H = self.hidden_size
-        if not (isinstance(H, int) and 8 <= H <= 16384 and H % 8 == 0):
-            raise ValueError(f"KimiK3Config.hidden_size must be a multiple of 8 in [8, 16384], got {H!r}")
+        if not hidden_supported(H):
+            raise ValueError(f"KimiK3Config.hidden_size must be {HIDDEN_RULE}, got {H!r}")
         if self.num_layers < 1:
             raise ValueError(f"KimiK3Config.num_layers must be >= 1, got {self.num_layers}")
         if self.snapshot_block < 1:

@@ -140,7 +140,7 @@ class KimiK3Output:
 
 
 class KimiK3Model:
-    """The decoder stack. `settings` default to the knobs read at import (attnres.knobs.CURRENT); assign
+    """The decoder stack. `settings` default to the knobs (attnres.knobs.CURRENT, read at the first build); assign
     `model.settings` to run the same weights another way. `model.paths` records every site's decision."""
 
     def __init__(self, config: KimiK3Config, *, settings: ResidualSettings | None = None, device="cpu",

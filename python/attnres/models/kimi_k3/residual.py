@@ -36,7 +36,7 @@ from attnres import fp8 as _fp8
 from attnres import knobs as _knobs
 from attnres.options import TOPOLOGIES, Options
 
-from .config import BANK_LAYOUTS, MAX_CANDIDATES
+from .config import BANK_LAYOUTS, MAX_CANDIDATES, hidden_supported
 
 log = logging.getLogger("attnres.models.kimi_k3")
 
@@ -76,8 +76,9 @@ FP8_REFERENCE = "reference"  # attnres.fp8.quantize of the bf16 output: the site
 # ------------------------------------------------------------------------------------------------ settings
 @dataclass(frozen=True)
 class ResidualSettings:
-    """How the sites run. from_knobs() takes the values read once at import (attnres.knobs.CURRENT); a model
-    instance may carry its own (tests force each decision through these)."""
+    """How the sites run. from_knobs() takes the knobs read once per process, at the first model built without
+    settings (attnres.knobs.CURRENT; a bad value raises KnobError there); a model instance may carry its own
+    (tests force each decision through these)."""
 
     fold: bool = False  # KIMI_K3_MOE_TAIL_ADD_FOLD
     fused: bool = True  # KIMI_K3_FUSED_ATTN_RES
@@ -220,7 +221,7 @@ def tail_route(settings: ResidualSettings, *, tokens: int, hidden: int, dtype: t
         return Route(MATERIALIZE, reason=WINDOW, detail=f"T = {tokens} > {settings.max_tokens}")
     if dtype != BF16:
         return Route(MATERIALIZE, reason=DTYPE)
-    if hidden % 8 or not 8 <= hidden <= 16384:
+    if not hidden_supported(hidden):
         return Route(MATERIALIZE, reason=HIDDEN)
     return Route(DEFER)
 
