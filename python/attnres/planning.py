@@ -62,7 +62,7 @@ def plan_info(p: _C.Plan) -> PlanInfo:
 
 _DESCRIBED = ("h100", "h200")
 _PROPERTIES = ("cc_major", "cc_minor", "sm_count", "shared_memory_per_block_optin")
-_DEVICE_FORMS = ("'cpu', 'cuda', 'cuda:N', a torch.device, a described GPU 'h100' or 'h200' (any case), or a dict "
+_DEVICE_FORMS = ("'cpu', 'cuda', 'cuda:N', a torch.device (or a CUDA index), a described GPU 'h100' or 'h200' (any case), or a dict "
                  "of DeviceInfo properties (cc_major, cc_minor, sm_count, shared_memory_per_block_optin)")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
@@ -104,7 +104,7 @@ def device_info(device) -> _C.DeviceInfo:
         return _C.described_device(device.strip().lower())
     if isinstance(device, (dict, _C.DeviceInfo)) or hasattr(device, "sm_count"):
         return _described(device)
-    if not isinstance(device, (str, torch.device)):
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
         raise _C.ArgumentError(f"attnres.plan: device {device!r} is not supported (cpu, cuda, h100, h200 or a "
                                f"property dict): the accepted forms are {_DEVICE_FORMS}")
     try:
