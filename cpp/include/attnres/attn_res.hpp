@@ -87,7 +87,7 @@ struct Options {
   // thread owns an element and every reduction order depend on H alone. 0 keeps the plan's choice (blocks per
   // SM: two where that geometry exists and honours the other knobs, else one; docs/ops/attn_res_add_rmsnorm_persistent.md).
   // An explicit value is kept as given: a geometry that does not fit is declined, and an explicit 2 whose blocks
-  // the occupancy calculator does not find resident is refused at launch (UnsupportedError).
+  // the occupancy calculator does not find resident is declined by the plan on that GPU (UnsupportedError).
   int32_t persistent_blocks_per_sm = 0;  // 1 or 2 blocks per SM (2: each gets half the SM's shared memory)
   int32_t persistent_slots = 0;          // exactly this many ring slots (declined when they do not fit)
   int32_t persistent_passes = 0;         // 1 or 2 passes per row (1 declined when a token's rows do not fit)
