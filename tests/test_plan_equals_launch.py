@@ -62,11 +62,11 @@ class Buffers:
     """Every tensor a call of the grid can take, allocated once at the largest T and N and sliced per call."""
 
     def __init__(self, max_tokens: int, max_candidates: int, hidden: int, device: str):
-        g = torch.Generator(device="cpu").manual_seed(hidden)
+        g = torch.Generator(device=device).manual_seed(hidden)
         bf = dict(dtype=torch.bfloat16, device=device)
 
         def rand(*shape):
-            return (torch.randn(*shape, generator=g) * 0.5).to(**bf)
+            return (torch.randn(*shape, generator=g, device=device) * 0.5).to(torch.bfloat16)
 
         T, H = max_tokens, hidden
         self.hidden, self.device = H, device
