@@ -372,8 +372,10 @@ def test_plan_counts_must_be_int64(name, value):
 
 def test_plan_counts_accept_integer_types():
     np = pytest.importorskip("numpy")
-    p = attnres.plan("attn_res", tokens=np.int64(4), candidates=np.int32(3), hidden=64, diagnostics=True)
+    p = attnres.plan("attn_res", tokens=np.int64(4), candidates=np.int32(3), hidden=64, diagnostics=np.True_)
     assert p.accepted and p.kernel == "cpu", p
+    with pytest.raises(attnres.ArgumentError, match="^attnres.plan: tokens must be an int"):
+        attnres.plan("attn_res", tokens=np.True_, candidates=3, hidden=64)
     # The extremes of int64 are ints: the plan declines them, nothing raises.
     assert attnres.plan("attn_res", tokens=(1 << 63) - 1, candidates=2, hidden=64, device="h200").decline_code == \
         "too_many_tokens"
@@ -427,5 +429,6 @@ def test_plan_other_argument_errors():
         attnres.plan("attn_res_fast", tokens=1, candidates=2, hidden=64)
     with pytest.raises(attnres.ArgumentError, match="^attnres.plan: fp8 must be one of"):
         attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=64, fp8="e4m3")
-    with pytest.raises(attnres.ArgumentError, match="^attnres.plan: options must be an attnres.Options or None"):
+    with pytest.raises(attnres.ArgumentError,
+                       match=r"^attnres.plan: options must be an attnres.Options \(anything with to_c\(\)\) or None"):
         attnres.plan("attn_res", tokens=1, candidates=2, hidden=64, options={"topology": "persistent"})

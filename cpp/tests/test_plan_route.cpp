@@ -327,7 +327,8 @@ TEST(PlanEqualsLaunch, RunRecordsTheCpuPlan) {
   EXPECT_EQ(planned.kernel, r.plan.kernel);
 
   // A declined call and a rejected one launch nothing and leave the record as it was.
-  EXPECT_FALSE(error_of<attnres::UnsupportedError>([&] { attnres::run(kAdd, a, kernel(KernelKind::split_k)); }).empty());
+  EXPECT_FALSE(
+      error_of<attnres::UnsupportedError>([&] { attnres::run(kAdd, a, kernel(KernelKind::split_k)); }).empty());
   AttnResArgs bad = a;
   bad.rms_eps = -1;
   EXPECT_FALSE(error_of<attnres::ArgumentError>([&] { attnres::run(kAdd, bad, Options{}); }).empty());

@@ -62,15 +62,16 @@ def plan_info(p: _C.Plan) -> PlanInfo:
 
 _DESCRIBED = ("h100", "h200")
 _PROPERTIES = ("cc_major", "cc_minor", "sm_count", "shared_memory_per_block_optin")
-_DEVICE_FORMS = ("'cpu', 'cuda', 'cuda:N', a torch.device (or a CUDA index), a described GPU 'h100' or 'h200' (any case), or a dict "
-                 "of DeviceInfo properties (cc_major, cc_minor, sm_count, shared_memory_per_block_optin)")
+_DEVICE_FORMS = ("'cpu', 'cuda', 'cuda:N', a torch.device (or a CUDA index), a described GPU 'h100' or 'h200' "
+                 "(any case), or a dict of DeviceInfo properties (cc_major, cc_minor, sm_count, "
+                 "shared_memory_per_block_optin)")
 _INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 def _int(name: str, value, low: int = _INT64[0], high: int = _INT64[1]) -> int:
     """`value` as an int in [low, high] (an int or an integer type with __index__; a bool is not a count), else
     ArgumentError naming the argument."""
-    if isinstance(value, bool) or type(value).__name__ == "bool_":
+    if isinstance(value, bool):  # numpy's bools have no __index__: refused below
         raise _C.ArgumentError(f"attnres.plan: {name} must be an int, got {value!r}")
     try:
         v = operator.index(value)
@@ -115,14 +116,18 @@ def device_info(device) -> _C.DeviceInfo:
     if parsed.type == "cpu":
         return _C.query_device(_C.DeviceType.cpu, 0)
     if parsed.type == "cuda":
-        index = parsed.index if parsed.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+        index = parsed.index
+        if index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return _C.query_device(_C.DeviceType.cuda, index)
     raise _C.ArgumentError(f"attnres.plan: device {parsed} is not supported (cpu, cuda, h100, h200 or a property "
                            f"dict): the accepted forms are {_DEVICE_FORMS}")
 
 
 def _flag(name: str, value) -> bool:
-    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+    """A bool (Python's or numpy's), else ArgumentError: bool("no") would silently be True."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if not isinstance(value, bool) and not numpy_bool:
         raise _C.ArgumentError(f"attnres.plan: {name} must be a bool, got {value!r}")
     return bool(value)
 
@@ -140,8 +145,9 @@ def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", ad
         raise _C.ArgumentError(f"attnres.plan: op must be one of {OPS}, got {op!r}")
     if fp8 not in FP8_MODES:
         raise _C.ArgumentError(f"attnres.plan: fp8 must be one of {FP8_MODES}, got {fp8!r}")
-    if options is not None and not isinstance(options, Options):
-        raise _C.ArgumentError(f"attnres.plan: options must be an attnres.Options or None, got {options!r}")
+    if options is not None and not callable(getattr(options, "to_c", None)):
+        raise _C.ArgumentError(f"attnres.plan: options must be an attnres.Options (anything with to_c()) or None, "
+                               f"got {options!r}")
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
     q.tokens, q.candidates, q.hidden = _int("tokens", tokens), _int("candidates", candidates), _int("hidden", hidden)
