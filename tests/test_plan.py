@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 
 import attnres
 from attnres import _C
@@ -309,3 +310,125 @@ def test_plan_never_accepts_a_shape_the_ops_reject(tokens, candidates, hidden, d
         except ValueError:
             continue
         assert not p.accepted, f"{op} T={tokens} N={candidates} H={hidden}: plan accepts with {p}"
+
+
+# ------------------------------------------------------------------------------------ route and decline code
+def test_plan_names_its_route_and_decline_code():
+    base = dict(candidates=9, hidden=7168, device="h200", add=True)
+    assert attnres.plan("attn_res_add_rmsnorm", tokens=1, **base).route == "per_token"
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=4096, candidates=2, hidden=7168, device="h200", add=True)
+    assert (p.kernel, p.route, p.decline_code) == ("single_cta", "stream", "none"), p
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=4096, **base)
+    assert (p.kernel, p.route) == ("persistent", "persistent"), p
+    assert attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=3, hidden=64, add=True).route == "cpu"
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=4096, add2=True, options=attnres.Options(topology="persistent"),
+                     **base)
+    assert (p.route, p.decline_code, p.decline) == ("none", "persistent_unsupported_feature", PERSISTENT_ADD2), p
+    p = attnres.plan("attn_res", tokens=0, candidates=2, hidden=64)
+    assert (p.route, p.decline_code) == ("none", "bad_shape"), p
+    # The names are the binding's enum names.
+    assert set(_C.DeclineCode.__members__) >= {"none", "bad_shape", "no_cuda_backend", "compute_capability",
+                                               "persistent_unsupported_feature", "persistent_in_place_two_passes",
+                                               "persistent_not_resident"}
+    assert set(_C.Route.__members__) == {"none", "per_token", "stream", "persistent", "cpu"}
+
+
+def test_the_tuning_modules_report_through_plan_info():
+    from attnres import _persistent_tuning, _stream_tuning
+
+    p = _stream_tuning.plan(0, tokens=4096, candidates=2, hidden=7168, device="h200")
+    assert isinstance(p, attnres.PlanInfo) and p.route == "stream", p
+    p = _persistent_tuning.plan(_persistent_tuning.Variant("one", blocks_per_sm=1), tokens=4096, candidates=9,
+                                hidden=7168, device="h200")
+    assert isinstance(p, attnres.PlanInfo) and p.route == "persistent" and p.blocks_per_sm == 1, p
+    p = _persistent_tuning.plan(_persistent_tuning.Variant("bad", slots=64), tokens=4096, candidates=9, hidden=7168,
+                                device="h200")
+    assert (p.accepted, p.decline_code) == (False, "persistent_slots"), p
+
+
+def test_in_place_never_takes_the_two_pass_persistent_kernel():
+    base = dict(tokens=4096, candidates=9, hidden=7168, device="h200", add=True)
+    separate = attnres.plan("attn_res_add_rmsnorm", **base)
+    assert (separate.route, separate.passes) == ("persistent", 2), separate
+    p = attnres.plan("attn_res_add_rmsnorm", in_place=True, **base)
+    assert (p.kernel, p.route) == ("split_k", "per_token"), p
+    p = attnres.plan("attn_res_add_rmsnorm_persistent", in_place=True, **base)
+    assert (p.accepted, p.decline_code) == (False, "persistent_in_place_two_passes"), p
+    assert "cannot update in place" in p.decline
+    # One pass (N = 5: six rows and a spare fit the ring) runs in place.
+    p = attnres.plan("attn_res_add_rmsnorm", in_place=True, **{**base, "candidates": 5})
+    assert (p.route, p.passes) == ("persistent", 1), p
+
+
+# ----------------------------------------------------------------------------------------- argument errors
+@pytest.mark.parametrize("name", ["tokens", "candidates", "hidden"])
+@pytest.mark.parametrize("value", [1.5, 2.0, True, False, "4", None, 1 << 63, -(1 << 63) - 1, 1 << 70])
+def test_plan_counts_must_be_int64(name, value):
+    kw = dict(tokens=4, candidates=3, hidden=64)
+    kw[name] = value
+    with pytest.raises(attnres.ArgumentError, match=f"^attnres.plan: {name} must be "):
+        attnres.plan("attn_res", **kw)
+
+
+def test_plan_counts_accept_integer_types():
+    np = pytest.importorskip("numpy")
+    p = attnres.plan("attn_res", tokens=np.int64(4), candidates=np.int32(3), hidden=64, diagnostics=np.True_)
+    assert p.accepted and p.kernel == "cpu", p
+    with pytest.raises(attnres.ArgumentError, match="^attnres.plan: tokens must be an int"):
+        attnres.plan("attn_res", tokens=np.True_, candidates=3, hidden=64)
+    # The extremes of int64 are ints: the plan declines them, nothing raises.
+    assert attnres.plan("attn_res", tokens=(1 << 63) - 1, candidates=2, hidden=64, device="h200").decline_code == \
+        "too_many_tokens"
+    assert attnres.plan("attn_res", tokens=-(1 << 63), candidates=2, hidden=64).decline_code == "bad_shape"
+
+
+@pytest.mark.parametrize("flag", ["add", "add2", "tap", "snapshot", "diagnostics", "fp8_pow2_scales", "in_place"])
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_plan_flags_must_be_bools(flag, value):
+    with pytest.raises(attnres.ArgumentError, match=f"^attnres.plan: {flag} must be a bool"):
+        attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=3, hidden=64, **{flag: value})
+
+
+@pytest.mark.parametrize("device", ["H200", "h100", "H100", " h200 ", "CPU", "cpu"])
+def test_plan_device_names_are_case_insensitive(device):
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=3, hidden=64, device=device, add=True)
+    assert p.accepted and p.kernel == ("cpu" if "cpu" in device.lower() else "split_k"), p
+
+
+@pytest.mark.parametrize("device", ["h300", "gpu", "cuda:x", "", "meta", "H200:0", 1.5, True, object(), ["cpu"]])
+def test_plan_device_errors_name_the_accepted_forms(device):
+    with pytest.raises(attnres.ArgumentError, match=r"^attnres.plan: device .* is not supported") as e:
+        attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=device)
+    for form in ("'cpu'", "'cuda'", "'cuda:N'", "torch.device", "'h100'", "'h200'", "dict of DeviceInfo properties"):
+        assert form in str(e.value), (form, str(e.value))
+
+
+def test_plan_accepts_every_device_form_it_did():
+    assert attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=torch.device("cpu")).kernel == "cpu"
+    props = {"cc_major": 9, "cc_minor": 0, "sm_count": 132, "shared_memory_per_block_optin": 232448}
+    described = attnres.plan("attn_res_add_rmsnorm", tokens=4096, candidates=9, hidden=7168, device=props, add=True)
+    assert described == attnres.plan("attn_res_add_rmsnorm", tokens=4096, candidates=9, hidden=7168, device="h200",
+                                     add=True)
+    # A device index, as torch.device takes it (the current accelerator's; without one, a clear error).
+    if torch.cuda.is_available():
+        assert attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=0) == \
+            attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device="cuda:0")
+    else:
+        with pytest.raises(attnres.ArgumentError, match="^attnres.plan: device 0 is not supported"):
+            attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=0)
+    info = _C.described_device("h200")
+    assert attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=info).accepted
+    assert not info.queried and not _C.query_device(_C.DeviceType.cpu, 0).queried
+    for bad in ({**props, "sm_count": 1 << 40}, {**props, "cc_major": 9.0}, {**props, "sm_count": True}):
+        with pytest.raises(attnres.ArgumentError, match="^attnres.plan: the described device's"):
+            attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=bad)
+
+
+def test_plan_other_argument_errors():
+    with pytest.raises(attnres.ArgumentError, match="^attnres.plan: op must be one of"):
+        attnres.plan("attn_res_fast", tokens=1, candidates=2, hidden=64)
+    with pytest.raises(attnres.ArgumentError, match="^attnres.plan: fp8 must be one of"):
+        attnres.plan("attn_res_rmsnorm", tokens=1, candidates=2, hidden=64, fp8="e4m3")
+    with pytest.raises(attnres.ArgumentError,
+                       match=r"^attnres.plan: options must be an attnres.Options \(anything with to_c\(\)\) or None"):
+        attnres.plan("attn_res", tokens=1, candidates=2, hidden=64, options={"topology": "persistent"})

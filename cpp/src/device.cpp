@@ -39,6 +39,7 @@ DeviceInfo query_device(Device device) {
     throw ArgumentError("attnres: " + device_name(device) + " does not exist (" + std::to_string(count) +
                         " CUDA devices visible)");
   info = detail::cuda_query_device(device.index);
+  info.queried = true;
   cache.emplace(device.index, info);
   return info;
 #else

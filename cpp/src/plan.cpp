@@ -1,4 +1,5 @@
-// The one place the kernel is chosen: a pure function of the call's shape, the device and the options.
+// The one place the kernel is chosen: the plan's arithmetic, a pure function of the call's shape, the device's
+// properties and the options (plan_arithmetic.hpp; run.cpp adds the occupancy calculator's answer on a real GPU).
 // The numbers below come from measurements on the H200 (docs/performance.md); tests pin the table.
 #include <algorithm>
 #include <string>
@@ -6,6 +7,7 @@
 #include "attnres/attn_res.hpp"
 #include "attnres/error.hpp"
 #include "persistent_layout.hpp"
+#include "plan_arithmetic.hpp"
 #include "plan_tuning.hpp"
 
 namespace attnres {
@@ -50,13 +52,54 @@ const char* topology_name(Topology topology) {
   return "unknown_topology";
 }
 
-namespace {
+const char* route_name(Route route) {
+  switch (route) {
+    case Route::none: return "none";
+    case Route::per_token: return "per_token";
+    case Route::stream: return "stream";
+    case Route::persistent: return "persistent";
+    case Route::cpu: return "cpu";
+  }
+  return "unknown_route";
+}
 
-Plan declined(std::string reason) {
+const char* decline_code_name(DeclineCode code) {
+  switch (code) {
+    case DeclineCode::none: return "none";
+    case DeclineCode::bad_shape: return "bad_shape";
+    case DeclineCode::bad_fp8_mode: return "bad_fp8_mode";
+    case DeclineCode::fp8_pow2_without_fp8: return "fp8_pow2_without_fp8";
+    case DeclineCode::fp8_without_norm: return "fp8_without_norm";
+    case DeclineCode::fp8_block128_hidden: return "fp8_block128_hidden";
+    case DeclineCode::persistent_unsupported_feature: return "persistent_unsupported_feature";
+    case DeclineCode::cuda_kernel_on_cpu: return "cuda_kernel_on_cpu";
+    case DeclineCode::no_cuda_backend: return "no_cuda_backend";
+    case DeclineCode::compute_capability: return "compute_capability";
+    case DeclineCode::cpu_kernel_on_cuda: return "cpu_kernel_on_cuda";
+    case DeclineCode::too_many_tokens: return "too_many_tokens";
+    case DeclineCode::persistent_two_blocks_threads: return "persistent_two_blocks_threads";
+    case DeclineCode::persistent_two_blocks_fp8: return "persistent_two_blocks_fp8";
+    case DeclineCode::persistent_shared_memory: return "persistent_shared_memory";
+    case DeclineCode::persistent_slots: return "persistent_slots";
+    case DeclineCode::persistent_one_pass: return "persistent_one_pass";
+    case DeclineCode::persistent_in_place_two_passes: return "persistent_in_place_two_passes";
+    case DeclineCode::persistent_not_resident: return "persistent_not_resident";
+    case DeclineCode::single_cta_too_large: return "single_cta_too_large";
+    case DeclineCode::split_k_threads: return "split_k_threads";
+  }
+  return "unknown_decline_code";
+}
+
+Plan detail::declined_plan(DeclineCode code, std::string reason) {
   Plan p;
   p.decline = std::move(reason);
+  p.decline_code = code;
   return p;
 }
+
+namespace {
+
+Plan declined(DeclineCode code, std::string reason) { return detail::declined_plan(code, std::move(reason)); }
 
 int32_t round_up(int64_t v, int64_t m) { return static_cast<int32_t>((v + m - 1) / m * m); }
 
@@ -154,34 +197,47 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
   const int32_t threads = persistent::consumer_threads(H) + persistent::kProducerThreads;
   const int32_t per_sm = persistent_blocks_per_sm(q, dev, o);
   if (per_sm > 1 && threads > persistent::kTwoBlocksMaxThreads)
-    return declined("persistent_blocks_per_sm = " + std::to_string(per_sm) + " needs <= " +
+    return declined(DeclineCode::persistent_two_blocks_threads,
+                    "persistent_blocks_per_sm = " + std::to_string(per_sm) + " needs <= " +
                     std::to_string(persistent::kTwoBlocksMaxThreads) + " threads per block; H = " +
                     std::to_string(H) + " takes " + std::to_string(threads));
   if (per_sm > 1 && q.fp8 != Fp8Scales::none)
-    return declined("persistent_blocks_per_sm = " + std::to_string(per_sm) + " has no FP8 instance (fp8 = " +
+    return declined(DeclineCode::persistent_two_blocks_fp8,
+                    "persistent_blocks_per_sm = " + std::to_string(per_sm) + " has no FP8 instance (fp8 = " +
                     fp8_scales_name(q.fp8) + ")");
   const int64_t budget = persistent::block_budget(dev.shared_memory_per_block_optin, per_sm);
   const int32_t fit = persistent::max_slots(budget, H);
   if (fit < tuning::kPersistentMinSlots)
-    return declined("the persistent kernel needs " +
+    return declined(DeclineCode::persistent_shared_memory, "the persistent kernel needs " +
                     std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, H)) +
                     " bytes of shared memory per block for H = " + std::to_string(H) + " (" +
                     std::to_string(tuning::kPersistentMinSlots) + " row slots); " + device_name(dev.device) +
                     " offers " + std::to_string(budget) +
                     (per_sm > 1 ? " per block at " + std::to_string(per_sm) + " blocks per SM" : std::string()));
   if (o.persistent_slots > 0 && (o.persistent_slots < tuning::kPersistentMinSlots || o.persistent_slots > fit))
-    return declined("persistent_slots = " + std::to_string(o.persistent_slots) + ": H = " + std::to_string(H) +
+    return declined(DeclineCode::persistent_slots,
+                    "persistent_slots = " + std::to_string(o.persistent_slots) + ": H = " + std::to_string(H) +
                     " fits " + std::to_string(tuning::kPersistentMinSlots) + " to " + std::to_string(fit) +
                     " row slots in " + std::to_string(budget) + " bytes per block");
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
   const bool one_pass_fits = slots >= rows + tuning::kPersistentOnePassSpareSlots;
   if (o.persistent_passes == 1 && !one_pass_fits)
-    return declined("persistent_passes = 1 needs " + std::to_string(rows + tuning::kPersistentOnePassSpareSlots) +
+    return declined(DeclineCode::persistent_one_pass,
+                    "persistent_passes = 1 needs " + std::to_string(rows + tuning::kPersistentOnePassSpareSlots) +
                     " row slots (a token's " + std::to_string(rows) + " rows and " +
                     std::to_string(tuning::kPersistentOnePassSpareSlots) + " spare); the ring has " +
                     std::to_string(slots));
+  const int32_t passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass_fits ? 1 : 2;
+  // Pass 2 streams the prefix again to mix, after pass 1 wrote `updated`: in place it would read the updated rows.
+  if (q.in_place && passes == 2)
+    return declined(DeclineCode::persistent_in_place_two_passes,
+                    "the persistent kernel's two passes re-read layer_residual after writing updated, so it cannot "
+                    "update in place here (a token's " + std::to_string(rows) + " rows need " +
+                    std::to_string(rows + tuning::kPersistentOnePassSpareSlots) + " row slots for one pass; the "
+                    "ring has " + std::to_string(slots) + "): pass a separate updated or use the per-token kernels");
   Plan p;
   p.kernel = KernelKind::persistent;
+  p.route = Route::persistent;
   p.pdl = o.pdl;
   p.cluster = 1;
   p.vectors = persistent::vectors_per_thread(H);
@@ -189,7 +245,7 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
   p.max_candidates = static_cast<int32_t>(kMaxCandidates);  // N is a runtime value of every instance
   p.blocks_per_sm = per_sm;
   p.slots = slots;
-  p.passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass_fits ? 1 : 2;
+  p.passes = passes;
   p.smem_bytes = static_cast<int32_t>(persistent::smem_bytes(slots, H));
   const int64_t resident = static_cast<int64_t>(std::max(dev.sm_count, 1)) * per_sm;
   p.blocks = static_cast<int32_t>(std::min<int64_t>(q.tokens, resident));
@@ -198,7 +254,7 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
 
 }  // namespace
 
-Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (o.split_max_tokens < 0)
     throw ArgumentError(std::string(op_name(q.op)) + ": options.split_max_tokens must be >= 0");
   if (o.cluster < 0 || o.cluster > tuning::kMaxCluster)
@@ -217,47 +273,59 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
                         "bound), got " + std::to_string(o.stream_min_tokens));
 
   // A shape-only query (attnres.plan) never accepts what the ops would reject.
-  if (q.tokens < 1) return declined("T = " + std::to_string(q.tokens) + " tokens: T must be >= 1");
+  if (q.tokens < 1) return declined(DeclineCode::bad_shape,
+                  "T = " + std::to_string(q.tokens) + " tokens: T must be >= 1");
   if (q.candidates < 1 || q.candidates > kMaxCandidates)
-    return declined("N = " + std::to_string(q.candidates) + " candidates: N must be in [1, " +
+    return declined(DeclineCode::bad_shape, "N = " + std::to_string(q.candidates) + " candidates: N must be in [1, " +
                     std::to_string(kMaxCandidates) + "]");
   if (q.hidden < kHiddenMultiple || q.hidden > kMaxHidden || q.hidden % kHiddenMultiple != 0)
-    return declined("H = " + std::to_string(q.hidden) + ": H must be a multiple of 8 in [8, " +
+    return declined(DeclineCode::bad_shape,
+                    "H = " + std::to_string(q.hidden) + ": H must be a multiple of 8 in [8, " +
                     std::to_string(kMaxHidden) + "]");
 
   const int fp8_mode = static_cast<int>(q.fp8);
-  if (fp8_mode < 0 || fp8_mode > 2) return declined("fp8 = " + std::to_string(fp8_mode) + ": not an FP8 mode");
-  if (q.fp8 == Fp8Scales::none && q.fp8_pow2_scales) return declined("fp8_pow2_scales requires an FP8 mode");
+  if (fp8_mode < 0 || fp8_mode > 2) return declined(DeclineCode::bad_fp8_mode,
+                  "fp8 = " + std::to_string(fp8_mode) + ": not an FP8 mode");
+  if (q.fp8 == Fp8Scales::none && q.fp8_pow2_scales) return declined(DeclineCode::fp8_pow2_without_fp8,
+                  "fp8_pow2_scales requires an FP8 mode");
   if (q.fp8 != Fp8Scales::none && q.op == AttnResOp::attn_res)
-    return declined("attn_res has no normed output to quantize to FP8 (use attn_res_rmsnorm)");
+    return declined(DeclineCode::fp8_without_norm,
+                    "attn_res has no normed output to quantize to FP8 (use attn_res_rmsnorm)");
   if (q.fp8 == Fp8Scales::block128 && q.hidden % kFp8GroupSize != 0)
-    return declined("fp8 = block128 needs H a multiple of 128, got H = " + std::to_string(q.hidden));
+    return declined(DeclineCode::fp8_block128_hidden,
+                    "fp8 = block128 needs H a multiple of 128, got H = " + std::to_string(q.hidden));
 
   const bool persistent = routes_to_persistent(q, dev, o);
   // The add2 decline is a property of the topology, on every backend, so the caller's materialize-first
   // path is the same (and testable) on the CPU.
   if (persistent) {
     std::string why = persistent_decline(q);
-    if (!why.empty()) return declined(why);
+    if (!why.empty()) return declined(DeclineCode::persistent_unsupported_feature, why);
   }
 
   if (dev.device.type == DeviceType::cpu) {
     if (o.kernel != KernelKind::automatic && o.kernel != KernelKind::cpu)
-      return declined(std::string("kernel ") + kernel_name(o.kernel) + " runs on CUDA devices; the tensors are on cpu");
+      return declined(DeclineCode::cuda_kernel_on_cpu,
+                      std::string("kernel ") + kernel_name(o.kernel) +
+                          " runs on CUDA devices; the tensors are on cpu");
     Plan p;
     p.kernel = KernelKind::cpu;
+    p.route = Route::cpu;
     return p;
   }
 
-  if (!dev.cuda_backend) return declined("attnres was built without the CUDA backend");
+  if (!dev.cuda_backend) return declined(DeclineCode::no_cuda_backend, "attnres was built without the CUDA backend");
   if (dev.cc_major < 9)
-    return declined(device_name(dev.device) + " (" + dev.name + ") has compute capability " +
+    return declined(DeclineCode::compute_capability,
+                    device_name(dev.device) + " (" + dev.name + ") has compute capability " +
                     std::to_string(dev.cc_major) + "." + std::to_string(dev.cc_minor) +
                     "; the CUDA kernels need 9.0 (Hopper) or newer");
-  if (o.kernel == KernelKind::cpu) return declined("kernel cpu runs on CPU tensors; the tensors are on " +
+  if (o.kernel == KernelKind::cpu) return declined(DeclineCode::cpu_kernel_on_cuda,
+                  "kernel cpu runs on CPU tensors; the tensors are on " +
                                                    device_name(dev.device));
   if (q.tokens > tuning::kMaxTokensPerLaunch)
-    return declined("T = " + std::to_string(q.tokens) + " exceeds the per-launch limit of " +
+    return declined(DeclineCode::too_many_tokens,
+                    "T = " + std::to_string(q.tokens) + " exceeds the per-launch limit of " +
                     std::to_string(tuning::kMaxTokensPerLaunch) + " tokens");
 
   if (persistent) {
@@ -273,12 +341,14 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (kernel == KernelKind::automatic)
     kernel = automatic_streams(q, dev, o) ? KernelKind::single_cta : KernelKind::split_k;
   if (kernel == KernelKind::single_cta && !single_cta_fits(q))
-    return declined("single_cta holds a token's rows in one block's registers: it needs H <= " +
+    return declined(DeclineCode::single_cta_too_large,
+                    "single_cta holds a token's rows in one block's registers: it needs H <= " +
                     std::to_string(tuning::kSingleCtaMaxThreads * 8) + " and N <= " +
                     std::to_string(tuning::kSingleCtaMaxCandidates) + " (use split_k)");
 
   Plan p;
   p.kernel = kernel;
+  p.route = Route::per_token;
   p.pdl = o.pdl;
   p.vectors = 1;
   p.max_candidates = tuning::candidate_bucket(q.candidates);
@@ -287,6 +357,7 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
     p.smem_bytes = stream_smem_bytes(q, dev, o);
     p.threads = p.smem_bytes > 0 ? stream_threads(q.hidden) : one_block_threads(q.hidden);
     p.vectors = p.smem_bytes > 0 ? tuning::kStreamVectors : 1;
+    if (p.smem_bytes > 0) p.route = Route::stream;
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel
@@ -295,7 +366,8 @@ Plan plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
     p.cluster = std::max(cluster, 1);
     p.threads = p.cluster == 1 ? one_block_threads(q.hidden) : round_up((vecs + p.cluster - 1) / p.cluster, 32);
     if (p.threads > tuning::kSplitKMaxThreads)
-      return declined("split_k with a cluster of " + std::to_string(p.cluster) + " needs " +
+      return declined(DeclineCode::split_k_threads,
+                      "split_k with a cluster of " + std::to_string(p.cluster) + " needs " +
                       std::to_string(p.threads) + " threads per block for H = " + std::to_string(q.hidden) +
                       " (the kernel is built for <= " + std::to_string(tuning::kSplitKMaxThreads) +
                       "): use a larger cluster");

@@ -19,7 +19,7 @@ from torch import Tensor
 from . import _C
 from . import ops
 from .options import Options
-from .planning import PlanInfo, device_info
+from .planning import PlanInfo, device_info, plan_info
 
 OP = "attn_res_add_rmsnorm_persistent"
 
@@ -63,12 +63,7 @@ def plan(variant: Variant, *, tokens: int, candidates: int, hidden: int, add: bo
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, OP)
     q.tokens, q.candidates, q.hidden, q.add = int(tokens), int(candidates), int(hidden), bool(add)
-    p = _C.plan_query(q, device_info(device), variant.options(pdl).to_c())
-    if not p.accepted:
-        return PlanInfo(kernel=None, decline=p.decline)
-    return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
-                    max_candidates=p.max_candidates, pdl=p.pdl, blocks=p.blocks, blocks_per_sm=p.blocks_per_sm,
-                    vectors=p.vectors, slots=p.slots, passes=p.passes, smem_bytes=p.smem_bytes)
+    return plan_info(_C.plan_query(q, device_info(device), variant.options(pdl).to_c()))
 
 
 def call(variant: Variant, layer_residual: Tensor, block_residual: Tensor, res_weight: Tensor, rms_weight: Tensor,

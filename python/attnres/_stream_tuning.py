@@ -15,7 +15,7 @@ from torch import Tensor
 from . import _C
 from . import ops
 from .options import Options
-from .planning import PlanInfo, device_info
+from .planning import PlanInfo, device_info, plan_info
 
 ALWAYS = 1
 NEVER = 1 << 62
@@ -41,12 +41,7 @@ def plan(min_tokens: int, op: str = "attn_res_add_rmsnorm", *, tokens: int, cand
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
     q.tokens, q.candidates, q.hidden, q.add, q.add2 = int(tokens), int(candidates), int(hidden), bool(add), bool(add2)
-    p = _C.plan_query(q, device_info(device), StreamOptions(min_tokens, kernel).to_c())
-    if not p.accepted:
-        return PlanInfo(kernel=None, decline=p.decline)
-    return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
-                    max_candidates=p.max_candidates, pdl=p.pdl, smem_bytes=p.smem_bytes,
-                    vectors=p.vectors if p.smem_bytes > 0 else 0)
+    return plan_info(_C.plan_query(q, device_info(device), StreamOptions(min_tokens, kernel).to_c()))
 
 
 def attn_res_add_rmsnorm(min_tokens: int, layer_residual: Tensor, layer_residual_add: Tensor, block_residual: Tensor,

@@ -6,6 +6,7 @@ layer_residual_add2)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +36,50 @@ class PlanInfo:
     slots: int = 0
     passes: int = 0
     smem_bytes: int = 0
+    # The kernel family: "per_token" (split_k, or single_cta one token per block), "stream" (the streaming
+    # single_cta), "persistent", "cpu"; "none" when declined. decline_code: why, as a name of _C.DeclineCode
+    # ("none" when accepted); callers branch on these, never on the sentence.
+    route: str = "none"
+    decline_code: str = "none"
 
     @property
     def accepted(self) -> bool:
         return self.decline is None
 
 
+def plan_info(p: _C.Plan) -> PlanInfo:
+    """The PlanInfo of a C++ plan (attnres.plan, the tuning modules and the launch record report through it)."""
+    route, code = _C.route_name(p.route), _C.decline_code_name(p.decline_code)
+    if not p.accepted:
+        return PlanInfo(kernel=None, decline=p.decline, route=route, decline_code=code)
+    persistent = p.kernel == _C.KernelKind.persistent
+    return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
+                    max_candidates=p.max_candidates, pdl=p.pdl, route=route, decline_code=code,
+                    **({"blocks": p.blocks, "blocks_per_sm": p.blocks_per_sm, "vectors": p.vectors,
+                        "slots": p.slots, "passes": p.passes, "smem_bytes": p.smem_bytes} if persistent else
+                       {"smem_bytes": p.smem_bytes, "vectors": p.vectors if p.smem_bytes > 0 else 0}))
+
+
 _DESCRIBED = ("h100", "h200")
 _PROPERTIES = ("cc_major", "cc_minor", "sm_count", "shared_memory_per_block_optin")
+_DEVICE_FORMS = ("'cpu', 'cuda', 'cuda:N', a torch.device (or a CUDA index), a described GPU 'h100' or 'h200' "
+                 "(any case), or a dict of DeviceInfo properties (cc_major, cc_minor, sm_count, "
+                 "shared_memory_per_block_optin)")
+_INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _int(name: str, value, low: int = _INT64[0], high: int = _INT64[1]) -> int:
+    """`value` as an int in [low, high] (an int or an integer type with __index__; a bool is not a count), else
+    ArgumentError naming the argument."""
+    if isinstance(value, bool):  # numpy's bools have no __index__: refused below
+        raise _C.ArgumentError(f"attnres.plan: {name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise _C.ArgumentError(f"attnres.plan: {name} must be an int, got {value!r}") from None
+    if not low <= v <= high:
+        raise _C.ArgumentError(f"attnres.plan: {name} must be in [{low}, {high}], got {v}")
+    return v
 
 
 def _described(props) -> _C.DeviceInfo:
@@ -55,53 +92,70 @@ def _described(props) -> _C.DeviceInfo:
         value = get(key)
         if not isinstance(value, int) or isinstance(value, bool):
             raise _C.ArgumentError(f"attnres.plan: the described device's {key} must be an int, got {value!r}")
-        setattr(d, key, value)
+        setattr(d, key, _int(f"the described device's {key}", value, -(1 << 31), (1 << 31) - 1))
     d.name = str(get("name", "described device"))
     return d
 
 
 def device_info(device) -> _C.DeviceInfo:
     """The library's DeviceInfo for a torch device (raises ArgumentError for a CUDA index that does not
-    exist), or for a described GPU without it: "h100", "h200", or explicit properties (see _described)."""
-    if isinstance(device, str) and device in _DESCRIBED:
-        return _C.described_device(device)
+    exist), or for a described GPU without it: "h100", "h200" (any case), or explicit properties (see
+    _described). Anything else raises ArgumentError naming the accepted forms."""
+    if isinstance(device, str) and device.strip().lower() in _DESCRIBED:
+        return _C.described_device(device.strip().lower())
     if isinstance(device, (dict, _C.DeviceInfo)) or hasattr(device, "sm_count"):
         return _described(device)
-    device = torch.device(device)
-    if device.type == "cpu":
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise _C.ArgumentError(f"attnres.plan: device {device!r} is not supported (cpu, cuda, h100, h200 or a "
+                               f"property dict): the accepted forms are {_DEVICE_FORMS}")
+    try:
+        parsed = torch.device(device.strip().lower() if isinstance(device, str) else device)
+    except (RuntimeError, ValueError, TypeError):
+        raise _C.ArgumentError(f"attnres.plan: device {device!r} is not supported (cpu, cuda, h100, h200 or a "
+                               f"property dict): the accepted forms are {_DEVICE_FORMS}") from None
+    if parsed.type == "cpu":
         return _C.query_device(_C.DeviceType.cpu, 0)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else (torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    if parsed.type == "cuda":
+        index = parsed.index
+        if index is None:
+            index = torch.cuda.current_device() if torch.cuda.is_available() else 0
         return _C.query_device(_C.DeviceType.cuda, index)
-    raise ValueError(f"attnres.plan: device {device} is not supported (cpu, cuda, h100, h200 or a property dict)")
+    raise _C.ArgumentError(f"attnres.plan: device {parsed} is not supported (cpu, cuda, h100, h200 or a property "
+                           f"dict): the accepted forms are {_DEVICE_FORMS}")
+
+
+def _flag(name: str, value) -> bool:
+    """A bool (Python's or numpy's), else ArgumentError: bool("no") would silently be True."""
+    numpy_bool = type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")
+    if not isinstance(value, bool) and not numpy_bool:
+        raise _C.ArgumentError(f"attnres.plan: {name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", add: bool = False,
          add2: bool = False, tap: bool = False, snapshot: bool = False, diagnostics: bool = False,
-         fp8: str | None = None, fp8_pow2_scales: bool = False, options: Options | None = None) -> PlanInfo:
+         fp8: str | None = None, fp8_pow2_scales: bool = False, in_place: bool = False,
+         options: Options | None = None) -> PlanInfo:
     """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device` (fp8: None, "per_token"
-    or "block128", the FP8 epilogue): a torch device, or a described GPU ("h100", "h200", or a dict of cc_major,
-    cc_minor, sm_count, shared_memory_per_block_optin), for which it is the plan a CUDA build takes on that GPU,
-    answered without one."""
+    or "block128", the FP8 epilogue; in_place: `updated` is `layer_residual`): a torch device, or a described GPU
+    ("h100", "h200", or a dict of cc_major, cc_minor, sm_count, shared_memory_per_block_optin), for which it is
+    the plan a CUDA build takes on that GPU, answered without one. On a visible GPU it is the plan a call of that
+    shape launches (the occupancy calculator included). Bad arguments raise attnres.ArgumentError."""
     if op not in OPS:
-        raise ValueError(f"attnres.plan: op must be one of {OPS}, got {op!r}")
+        raise _C.ArgumentError(f"attnres.plan: op must be one of {OPS}, got {op!r}")
     if fp8 not in FP8_MODES:
-        raise ValueError(f"attnres.plan: fp8 must be one of {FP8_MODES}, got {fp8!r}")
+        raise _C.ArgumentError(f"attnres.plan: fp8 must be one of {FP8_MODES}, got {fp8!r}")
+    if options is not None and not callable(getattr(options, "to_c", None)):
+        raise _C.ArgumentError(f"attnres.plan: options must be an attnres.Options (anything with to_c()) or None, "
+                               f"got {options!r}")
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
-    q.tokens, q.candidates, q.hidden = int(tokens), int(candidates), int(hidden)
-    q.add, q.add2, q.tap, q.snapshot, q.diagnostics = bool(add), bool(add2), bool(tap), bool(snapshot), bool(diagnostics)
+    q.tokens, q.candidates, q.hidden = _int("tokens", tokens), _int("candidates", candidates), _int("hidden", hidden)
+    q.add, q.add2, q.tap = _flag("add", add), _flag("add2", add2), _flag("tap", tap)
+    q.snapshot, q.diagnostics = _flag("snapshot", snapshot), _flag("diagnostics", diagnostics)
     q.fp8 = getattr(_C.Fp8Scales, fp8 or "none")
-    q.fp8_pow2_scales = bool(fp8_pow2_scales)
-    p = _C.plan_query(q, device_info(device), (options or DEFAULT).to_c())
-    if not p.accepted:
-        return PlanInfo(kernel=None, decline=p.decline)
-    persistent = p.kernel == _C.KernelKind.persistent
-    return PlanInfo(kernel=_C.kernel_name(p.kernel), decline=None, cluster=p.cluster, threads=p.threads,
-                    max_candidates=p.max_candidates, pdl=p.pdl,
-                    **({"blocks": p.blocks, "blocks_per_sm": p.blocks_per_sm, "vectors": p.vectors, "slots": p.slots, "passes": p.passes,
-                        "smem_bytes": p.smem_bytes} if persistent else
-                       {"smem_bytes": p.smem_bytes, "vectors": p.vectors if p.smem_bytes > 0 else 0}))
+    q.fp8_pow2_scales, q.in_place = _flag("fp8_pow2_scales", fp8_pow2_scales), _flag("in_place", in_place)
+    return plan_info(_C.plan_query(q, device_info(device), (options or DEFAULT).to_c()))
 
 
 def backend_info() -> dict:

@@ -193,11 +193,28 @@ NB_MODULE(_C, m) {
       .def_rw("snapshot", &PlanQuery::snapshot)
       .def_rw("diagnostics", &PlanQuery::diagnostics)
       .def_rw("fp8", &PlanQuery::fp8)
-      .def_rw("fp8_pow2_scales", &PlanQuery::fp8_pow2_scales);
+      .def_rw("fp8_pow2_scales", &PlanQuery::fp8_pow2_scales)
+      .def_rw("in_place", &PlanQuery::in_place);
+
+  nb::enum_<Route>(m, "Route")
+      .value("none", Route::none)
+      .value("per_token", Route::per_token)
+      .value("stream", Route::stream)
+      .value("persistent", Route::persistent)
+      .value("cpu", Route::cpu);
+  {
+    nb::enum_<DeclineCode> codes(m, "DeclineCode");
+    for (int32_t c = 0; c <= static_cast<int32_t>(DeclineCode::split_k_threads); ++c)
+      codes.value(decline_code_name(static_cast<DeclineCode>(c)), static_cast<DeclineCode>(c));
+  }
+  m.def("route_name", [](Route r) { return std::string(route_name(r)); });
+  m.def("decline_code_name", [](DeclineCode c) { return std::string(decline_code_name(c)); });
 
   nb::class_<Plan>(m, "Plan")
       .def_ro("kernel", &Plan::kernel)
+      .def_ro("route", &Plan::route)
       .def_ro("decline", &Plan::decline)
+      .def_ro("decline_code", &Plan::decline_code)
       .def_ro("cluster", &Plan::cluster)
       .def_ro("threads", &Plan::threads)
       .def_ro("vectors", &Plan::vectors)
@@ -222,7 +239,8 @@ NB_MODULE(_C, m) {
       .def_rw("cc_minor", &DeviceInfo::cc_minor)
       .def_rw("sm_count", &DeviceInfo::sm_count)
       .def_rw("shared_memory_per_block_optin", &DeviceInfo::shared_memory_per_block_optin)
-      .def_rw("name", &DeviceInfo::name);
+      .def_rw("name", &DeviceInfo::name)
+      .def_ro("queried", &DeviceInfo::queried);  // read-only: set by query_device alone
 
   // The limits of attnres/limits.hpp, for the Python layer (which never restates them).
   nb::dict limits;
@@ -252,6 +270,11 @@ NB_MODULE(_C, m) {
   m.def("plan_call", [](AttnResOp op, const AttnResArgs& a, const Options& o) { return plan(op, a, o); });
   // The GIL is released: the CPU backend computes, the CUDA backend only enqueues.
   m.def("run", &run, nb::arg("op"), nb::arg("args"), nb::arg("options"), nb::call_guard<nb::gil_scoped_release>());
+  // The plan the calling thread's latest run() launched and the thread's count of runs (tests: plan = launch).
+  m.def("_last_launch", []() {
+    const detail::LaunchRecord& r = detail::last_launch();
+    return nb::make_tuple<nb::rv_policy::copy>(r.plan, r.launches);  // a copy: the record changes on the next run
+  });
   bind_moe_finalize(m);
   bind_all_reduce(m);
   bind_call(m);

@@ -87,7 +87,7 @@ struct Options {
   // thread owns an element and every reduction order depend on H alone. 0 keeps the plan's choice (blocks per
   // SM: two where that geometry exists and honours the other knobs, else one; docs/ops/attn_res_add_rmsnorm_persistent.md).
   // An explicit value is kept as given: a geometry that does not fit is declined, and an explicit 2 whose blocks
-  // the occupancy calculator does not find resident is refused at launch (UnsupportedError).
+  // the occupancy calculator does not find resident is declined by the plan on that GPU (UnsupportedError).
   int32_t persistent_blocks_per_sm = 0;  // 1 or 2 blocks per SM (2: each gets half the SM's shared memory)
   int32_t persistent_slots = 0;          // exactly this many ring slots (declined when they do not fit)
   int32_t persistent_passes = 0;         // 1 or 2 passes per row (1 declined when a token's rows do not fit)
@@ -106,11 +106,50 @@ struct PlanQuery {
   bool add = false, add2 = false, tap = false, snapshot = false, diagnostics = false;
   Fp8Scales fp8 = Fp8Scales::none;  // the FP8 epilogue (a compile-time variant of every kernel)
   bool fp8_pow2_scales = false;
+  // `updated` is `layer_residual` (the same data pointer): the prefix is updated in place. The persistent
+  // kernel's two-pass mode re-reads the prefix after writing `updated`, so it cannot run such a call.
+  bool in_place = false;
 };
 
+// Which kernel family runs a call: the per-token kernels (split_k, or single_cta one token per block), the
+// streaming single_cta (its blocks loop over the tokens), the persistent kernel, or the CPU backend; none when
+// declined.
+enum class Route : int32_t { none = 0, per_token = 1, stream = 2, persistent = 3, cpu = 4 };
+const char* route_name(Route route);
+
+// Why a plan declines (one value per reason; the sentence in Plan::decline says it for the caller).
+enum class DeclineCode : int32_t {
+  none = 0,                           // accepted
+  bad_shape = 1,                      // T < 1, N outside [1, kMaxCandidates], or H not a multiple of 8 in range
+  bad_fp8_mode = 2,                   // fp8 is not an Fp8Scales value
+  fp8_pow2_without_fp8 = 3,           // fp8_pow2_scales without an FP8 mode
+  fp8_without_norm = 4,               // FP8 output asked of attn_res (it has no normed output)
+  fp8_block128_hidden = 5,            // block128 with H not a multiple of 128
+  persistent_unsupported_feature = 6, // the persistent route with diagnostics, add2, tap or a snapshot write
+  cuda_kernel_on_cpu = 7,             // a CUDA kernel forced for CPU tensors
+  no_cuda_backend = 8,                // CUDA tensors, build without the CUDA backend
+  compute_capability = 9,             // a CUDA device older than sm_90
+  cpu_kernel_on_cuda = 10,            // kernel cpu forced for CUDA tensors
+  too_many_tokens = 11,               // T above the per-launch limit
+  persistent_two_blocks_threads = 12, // two blocks per SM with more threads than their instance is built for
+  persistent_two_blocks_fp8 = 13,     // two blocks per SM with an FP8 epilogue (no such instance)
+  persistent_shared_memory = 14,      // not even the smallest ring fits a block's shared memory
+  persistent_slots = 15,              // the slot knob outside what fits
+  persistent_one_pass = 16,           // one pass forced where a token's rows do not fit the ring
+  persistent_in_place_two_passes = 17,// in place on the two-pass geometry
+  persistent_not_resident = 18,       // two blocks per SM forced where the occupancy calculator finds fewer
+  single_cta_too_large = 19,          // single_cta forced where a token's rows do not fit one block
+  split_k_threads = 20,               // split_k with a cluster too small for H
+};
+const char* decline_code_name(DeclineCode code);
+
+// What a call launches: run() launches exactly the plan that plan() returns for the call (detail::last_launch
+// records it), and plan(query, device, options) for the call's shape on its queried device is that plan too.
 struct Plan {
   KernelKind kernel = KernelKind::automatic;  // the kernel that runs; automatic when declined
+  Route route = Route::none;                  // the kernel family (single_cta is per_token or stream)
   std::string decline;                        // why the call cannot run as asked; empty when accepted
+  DeclineCode decline_code = DeclineCode::none;
   // CUDA launch geometry (per-token kernels): one cluster of `cluster` blocks of `threads` threads per
   // token; each thread owns `vectors` 16-byte (8 x bf16) slices of every candidate row.
   int32_t cluster = 1;
@@ -139,10 +178,24 @@ struct Plan {
 void validate(AttnResOp op, const AttnResArgs& args, bool require_outputs = true);
 PlanQuery plan_query(AttnResOp op, const AttnResArgs& args);
 
-// Pure: the kernel (and its geometry) for a call, or the reason it is declined.
+// The kernel (and its geometry) for a call, or the reason it is declined: the pure arithmetic of the shape,
+// the device's properties and the options, plus, on a queried GPU (DeviceInfo::queried) of a build with the
+// CUDA backend, the occupancy calculator's answer for the persistent kernel's two blocks per SM (host-side,
+// legal during a graph capture): where they are not resident an automatic geometry is replanned with one block
+// per SM and a forced one is declined. For a described device the arithmetic alone.
 Plan plan(const PlanQuery& query, const DeviceInfo& device, const Options& options = {});
-// Validates the call, queries its device, then plans.
+// Validates the call, queries its device, then plans: the plan run() launches for the call.
 Plan plan(AttnResOp op, const AttnResArgs& args, const Options& options = {});
+
+namespace detail {
+// The plan the calling thread's latest successful run() of an attention-residual op launched (or computed, on
+// the CPU backend), and how many such runs the thread has made; a default Plan and 0 before the first.
+struct LaunchRecord {
+  Plan plan;
+  uint64_t launches = 0;
+};
+const LaunchRecord& last_launch();
+}  // namespace detail
 
 // Validate, plan, launch on args.stream (CUDA) or compute (CPU). Throws ArgumentError / UnsupportedError
 // before anything is written, CudaError if a launch fails.

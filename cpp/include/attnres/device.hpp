@@ -15,6 +15,9 @@ struct DeviceInfo {
   int32_t sm_count = 0;
   int32_t shared_memory_per_block_optin = 0;  // bytes a block may opt into (sizes the persistent kernel's ring)
   std::string name;  // "cpu" or the CUDA device name
+  // Queried from a visible GPU by query_device (not described): the plan may then also ask the GPU's occupancy
+  // calculator (attnres::plan), so it is the plan that run() launches there.
+  bool queried = false;
 };
 
 // True when the CUDA backend was compiled into this build.

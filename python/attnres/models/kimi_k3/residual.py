@@ -126,14 +126,6 @@ class ResidualSettings:
         """Options of the eager path's mixing op: the library's own choice of kernel."""
         return Options(pdl=self.pdl)
 
-    def routes_persistent(self, tokens: int) -> bool:
-        """Whether these options send a call with `tokens` tokens to the persistent kernel (labels a plan's
-        decline as topology rather than device; the decision itself is the plan's)."""
-        if self.kernel == "persistent":
-            return True
-        if self.kernel != "auto":
-            return False
-        return self.topology == "persistent" or (self.topology == "split" and tokens > self.max_tokens)
 
 
 # ------------------------------------------------------------------------------------------------ plan
@@ -142,6 +134,11 @@ def _plan(op: str, tokens: int, candidates: int, hidden: int, device: str, add: 
           snapshot: bool, options: Options, fp8: str | None = None, fp8_pow2: bool = False) -> attnres.PlanInfo:
     return attnres.plan(op, tokens=tokens, candidates=candidates, hidden=hidden, device=device, add=add,
                         add2=add2, tap=tap, snapshot=snapshot, fp8=fp8, fp8_pow2_scales=fp8_pow2, options=options)
+
+
+def _decline_reason(p: attnres.PlanInfo) -> str:
+    """TOPOLOGY when the persistent route declined the call (its decline codes), DEVICE for any other decline."""
+    return TOPOLOGY if p.decline_code.startswith("persistent_") else DEVICE
 
 
 def _device_key(device) -> str:
@@ -181,8 +178,7 @@ def site_route(settings: ResidualSettings, *, tokens: int, candidates: int, hidd
     p = _plan(op, tokens, candidates, hidden, dev, add, False, tap, False, settings.options)
     if p.accepted:
         return Route(FUSED_ADD if add else FUSED, p.kernel)
-    reason = TOPOLOGY if settings.routes_persistent(tokens) else DEVICE
-    return _eager_route(settings, tokens, candidates, hidden, dev, reason, p.decline)
+    return _eager_route(settings, tokens, candidates, hidden, dev, _decline_reason(p), p.decline)
 
 
 def fold_route(settings: ResidualSettings, *, tokens: int, candidates: int, hidden: int, device, tap: bool,
@@ -203,8 +199,7 @@ def fold_route(settings: ResidualSettings, *, tokens: int, candidates: int, hidd
     p = _plan("attn_res_add_rmsnorm", tokens, candidates, hidden, _device_key(device), True, True, tap, snapshot,
               settings.options)
     if not p.accepted:
-        return Route(MATERIALIZE, reason=TOPOLOGY if settings.routes_persistent(tokens) else DEVICE,
-                     detail=p.decline)
+        return Route(MATERIALIZE, reason=_decline_reason(p), detail=p.decline)
     if p.kernel != base.kernel:
         return Route(MATERIALIZE, reason=KERNEL, detail=f"add2 would run {p.kernel}, the unfused site {base.kernel}")
     return Route(FUSED_ADD2, p.kernel)
