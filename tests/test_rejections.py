@@ -228,7 +228,7 @@ def test_required_add_missing_public(device):
 
 
 REFUSED = [
-    ("attn_res", "layer_residual_add"), ("attn_res", "norm_weight"), ("attn_res", "updated"), ("attn_res", "mixture"),
+    ("attn_res", "norm_weight"), ("attn_res", "mixture"),
     ("attn_res_rmsnorm", "layer_residual_add"), ("attn_res_rmsnorm", "updated"), ("attn_res_rmsnorm", "rsigma"),
     ("attn_res_rmsnorm", "probs"), ("attn_res_rmsnorm", "logits"),
     ("attn_res_add_rmsnorm", "rsigma"), ("attn_res_add_rmsnorm", "probs"), ("attn_res_add_rmsnorm", "logits"),
@@ -248,11 +248,19 @@ def test_refused_argument(op, name, device):
     _c_reject(op, inp, d, attnres.ArgumentError, f"{name} is not an argument of this op")
 
 
-def test_persistent_updated_without_add(device):
-    op = "attn_res_add_rmsnorm_persistent"
+@pytest.mark.parametrize("op", ["attn_res", "attn_res_add_rmsnorm_persistent"])  # the add is optional there
+def test_updated_without_add(op, device):
     inp = _inputs(device)
-    d = c_tensors(op, inp, layer_residual_add=None)
+    d = c_tensors(op, inp, layer_residual_add=None,
+                  updated=poison_(torch.empty(T, H, dtype=BF16, device=device)))
     _c_reject(op, inp, d, attnres.ArgumentError, "updated is only produced with layer_residual_add")
+
+
+def test_attn_res_add_without_updated(device):
+    op = "attn_res"
+    inp = _inputs(device)
+    d = c_tensors(op, inp, layer_residual_add=inp.add, updated=None)
+    _c_reject(op, inp, d, attnres.ArgumentError, "updated is required")
 
 
 @pytest.mark.parametrize("op", ["attn_res_add_rmsnorm_persistent"])  # every other op takes it
@@ -644,8 +652,8 @@ def test_snapshot_row_overlapping_candidates(device):
 ALIASES = [
     ("attn_res", "output", "layer_residual", "output overlaps layer_residual (outputs must not alias inputs)"),
     ("attn_res_rmsnorm", "output", "block_residual", "output overlaps block_residual (outputs must not alias inputs)"),
-    ("attn_res_add_rmsnorm", "updated", "layer_residual",
-     "updated overlaps layer_residual (outputs must not alias inputs)"),
+    ("attn_res_add_rmsnorm", "mixture", "layer_residual",
+     "mixture overlaps layer_residual (outputs must not alias inputs)"),
     ("attn_res_add_rmsnorm", "updated", "layer_residual_add",
      "updated overlaps layer_residual_add (outputs must not alias inputs)"),
     ("attn_res_add_rmsnorm", "output", "layer_residual_add2",
@@ -678,6 +686,17 @@ def test_output_partially_overlapping_an_input(device):
     big = poison_(torch.empty(T + 1, H, dtype=BF16, device=device))
     lr = big[:T].copy_(inp.layer_residual)
     d = c_tensors(op, inp, layer_residual=lr, updated=big[1:])
+    _c_reject(op, inp, d, attnres.ArgumentError, "updated overlaps layer_residual (outputs must not alias inputs)")
+
+
+@pytest.mark.parametrize("op", ["attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent"])
+def test_updated_partially_aliasing_the_prefix(op, device):
+    """`updated` may be layer_residual itself (the in-place update): the same pointer with other strides is not."""
+    inp = _inputs(device)
+    wide = poison_(torch.empty(T, 2 * H, dtype=BF16, device=device))
+    lr = wide[:, :H].copy_(inp.layer_residual)
+    d = c_tensors(op, inp, layer_residual=lr)
+    d["updated"] = hand_ref(lr, strides=[H, 1])
     _c_reject(op, inp, d, attnres.ArgumentError, "updated overlaps layer_residual (outputs must not alias inputs)")
 
 

@@ -23,7 +23,8 @@ struct OpTable {
 OpTable op_table(AttnResOp op) {
   switch (op) {
     case AttnResOp::attn_res:
-      return {Use::refused, Use::refused, Use::refused, Use::refused, Use::refused, Use::optional,
+      // updated is required exactly when the add is given (checked below).
+      return {Use::optional, Use::optional, Use::refused, Use::optional, Use::refused, Use::optional,
               Use::optional};
     case AttnResOp::attn_res_rmsnorm:
       return {Use::refused, Use::refused, Use::required, Use::refused, Use::optional, Use::refused,
@@ -73,6 +74,14 @@ struct Named {
 };
 
 int64_t round_up4(int64_t v) { return (v + 3) / 4 * 4; }
+
+// Two references to the very same elements: one pointer, dtype, shape and strides.
+bool same_view(const TensorRef& a, const TensorRef& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim) return false;
+  for (int i = 0; i < a.ndim; ++i)
+    if (a.shape[i] != b.shape[i] || a.strides[i] != b.strides[i]) return false;
+  return true;
+}
 
 // The FP8 output and its scales (docs/ops/attn_res_rmsnorm.md, "FP8 output"). Runs after the shape checks
 // (T, H known); the shared device, aliasing and alignment checks include the two tensors.
@@ -137,10 +146,10 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   c.presence("norm_weight", a.norm_weight, use.norm_weight);
   c.presence("output", a.output, Use::required, require_outputs);
   const bool has_add = a.layer_residual_add.present();
-  const Use updated_use =
-      op == AttnResOp::attn_res_add_rmsnorm_persistent ? (has_add ? Use::required : Use::refused) : use.updated;
-  if (op == AttnResOp::attn_res_add_rmsnorm_persistent && !has_add && a.updated.present())
-    c.fail("updated", "is only produced with layer_residual_add");
+  // Where the addend is optional, `updated` is required exactly with it.
+  const bool add_optional = use.add == Use::optional;
+  const Use updated_use = add_optional ? (has_add ? Use::required : Use::refused) : use.updated;
+  if (add_optional && !has_add && a.updated.present()) c.fail("updated", "is only produced with layer_residual_add");
   c.presence("updated", a.updated, updated_use, require_outputs);
   c.presence("mixture", a.mixture, use.mixture);
   c.presence("rsigma", a.rsigma, use.diagnostics);
@@ -237,7 +246,11 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
     snapshot_rows = detail::snapshot_rows(a.block_residual, a.snapshot_slot);
   }
 
-  // 8. Outputs (and the snapshot row) alias neither inputs nor each other.
+  // 8. Outputs (and the snapshot row) alias neither inputs nor each other. One exception: `updated` may be
+  // layer_residual itself (the same view: pointer, dtype, shape and strides), the in-place prefix update; every
+  // kernel reads a token's prefix before it writes that token's updated row, and no other thread reads it.
+  // Any partial overlap stays refused.
+  const bool in_place = a.updated.present() && same_view(a.updated, a.layer_residual);
   std::vector<Named> written = outputs;
   if (snapshot_rows.present()) written.push_back({"snapshot row", &snapshot_rows});
   written.push_back({"output_fp8", &a.output_fp8});
@@ -247,6 +260,7 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
     for (const Named& in : inputs) {
       if (!in.ref->present()) continue;
       if (written[i].ref == &snapshot_rows && in.ref == &a.block_residual) continue;  // checked in 7
+      if (in_place && written[i].ref == &a.updated && in.ref == &a.layer_residual) continue;
       if (detail::overlaps(*written[i].ref, *in.ref))
         c.fail(written[i].name, std::string("overlaps ") + in.name + " (outputs must not alias inputs)");
     }

@@ -136,7 +136,7 @@ std::vector<Rejection> argument_rejections() {
   return {
       // 1. Which arguments each op takes.
       drop_arg("Add2WithoutAdd", A, "layer_residual_add", "layer_residual_add2 requires layer_residual_add"),
-      add_arg("AddRefusedByAttnRes", R, "layer_residual_add", not_arg),
+      add_arg("AddRefusedByRmsnorm", N, "layer_residual_add", not_arg),
       add_arg("Add2RefusedByPersistent", P, "layer_residual_add2", not_arg),
       add_arg("NormWeightRefusedByAttnRes", R, "norm_weight", not_arg),
       add_arg("UpdatedRefusedByRmsnorm", N, "updated", not_arg),

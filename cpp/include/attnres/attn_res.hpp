@@ -1,9 +1,11 @@
 // The attention-residual ops (the shared contract: docs/ops/common.md; each op: docs/ops/<op>.md).
 //
-//   attn_res                         mixture + fp32 rsigma/probs/logits
+//   attn_res                         mixture + optional fp32 rsigma/probs/logits; optional add (+ add2): then
+//                                    updated = prefix + add (+ add2) and the mixture is of the updated prefix
 //   attn_res_rmsnorm                 output = RMSNorm(mixture), optional pre-norm tap
 //   attn_res_add_rmsnorm             updated = prefix + add (+ add2); output; optional tap and snapshot write
 //   attn_res_add_rmsnorm_persistent  same with an optional add and no add2, on the persistent kernel
+// `updated` may be layer_residual itself (the same view): the in-place prefix update, bitwise the out-of-place one.
 //
 // Flow: validate (ArgumentError) -> plan (pure: picks the kernel or declines) -> run on the caller's stream.
 #pragma once

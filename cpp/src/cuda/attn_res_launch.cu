@@ -16,7 +16,7 @@ namespace attnres::detail {
 
 namespace {
 
-using KernelFn = void (*)(PerTokenParams);
+using KernelFn = PerTokenKernel;
 
 // CLUSTER = false serves single_cta (planned for N <= 4: a 1024-thread block has 64 registers per thread, and the
 // N <= 8 instance spilled 160 bytes) and split_k's one-block clusters (<= 256 threads, kMaxThreadsOf).
@@ -29,6 +29,10 @@ KernelFn by_mode(Mode mode, int max_candidates) {
     case Mode::norm: return per_token_instance<Mode::norm, CLUSTER, F>(max_candidates);
     case Mode::add: return per_token_instance<Mode::add, CLUSTER, F>(max_candidates);
     case Mode::add2: return per_token_instance<Mode::add2, CLUSTER, F>(max_candidates);
+    case Mode::mix_add:
+    case Mode::mix_add2:
+      if constexpr (F == Fp8Mode::none) return mix_add_instance(mode, CLUSTER, max_candidates);
+      return nullptr;  // attn_res has no normed output (validated)
   }
   return nullptr;
 }

@@ -13,11 +13,20 @@ namespace attnres::detail {
 
 // What the kernel computes; a compile-time variant, so each instance carries only its own work.
 enum class Mode : int {
-  mix = 0,      // attn_res: mixture + fp32 diagnostics
+  mix = 0,      // attn_res without an addend: mixture + fp32 diagnostics
   norm = 1,     // attn_res_rmsnorm: trailing norm, prefix read from layer_residual
   add = 2,      // attn_res_add_rmsnorm with one addend
   add2 = 3,     // attn_res_add_rmsnorm with two addends (the MoE-tail fold)
+  mix_add = 4,  // attn_res with one addend: the mixture of the updated prefix, no trailing norm
+  mix_add2 = 5, // attn_res with two addends
 };
+
+// The work a mode carries, as compile-time facts (each instance branches on none of them at run time).
+constexpr bool mode_has_norm(Mode m) { return m == Mode::norm || m == Mode::add || m == Mode::add2; }
+constexpr bool mode_has_add(Mode m) {
+  return m == Mode::add || m == Mode::add2 || m == Mode::mix_add || m == Mode::mix_add2;
+}
+constexpr bool mode_has_add2(Mode m) { return m == Mode::add2 || m == Mode::mix_add2; }
 
 struct PerTokenParams {
   const __nv_bfloat16* layer_residual;
@@ -58,10 +67,17 @@ PerTokenParams make_per_token_params(const AttnResArgs& args, const Plan& plan);
 
 // The mode of a validated call.
 inline Mode mode_of(AttnResOp op, const AttnResArgs& a) {
-  if (op == AttnResOp::attn_res) return Mode::mix;
-  if (!a.layer_residual_add.present()) return Mode::norm;
-  return a.layer_residual_add2.present() ? Mode::add2 : Mode::add;
+  const bool add = a.layer_residual_add.present(), add2 = a.layer_residual_add2.present();
+  if (op == AttnResOp::attn_res) return !add ? Mode::mix : add2 ? Mode::mix_add2 : Mode::mix_add;
+  if (!add) return Mode::norm;
+  return add2 ? Mode::add2 : Mode::add;
 }
+
+// The per-token instance of attn_res with addends (modes mix_add, mix_add2; bf16 only) for split_k clusters
+// (`cluster`) or one-block launches, N bucket `max_candidates`; nullptr for none. Its own translation unit
+// (cuda/attn_res_mix_add_instances.cu), which builds alongside the other modes' (cuda/attn_res_launch.cu).
+using PerTokenKernel = void (*)(PerTokenParams);
+PerTokenKernel mix_add_instance(Mode mode, bool cluster, int max_candidates);
 
 // Launches the streaming single_cta (plan.smem_bytes > 0) for a validated call (cuda/attn_res_stream_launch.cu).
 void launch_attn_res_stream(AttnResOp op, const AttnResArgs& args, const Plan& plan);

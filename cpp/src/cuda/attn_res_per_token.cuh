@@ -11,8 +11,11 @@
 //   * The candidates' partial sums are reduced in two phases: the bank rows loaded before the wait while the
 //     post-wait loads are in flight, then only the newest row and P once those land (one order per value,
 //     so the bits are those of a single reduction).
-//   * The addends only change the value of the last candidate (MODE add/add2 form P; MODE norm loads it):
-//     the reduction and mixing code is shared, which makes the add2 fold bitwise invisible.
+//   * The addends only change the value of the last candidate (the add modes form P; mix and norm load it):
+//     the reduction and mixing code is shared, which makes the add2 fold bitwise invisible, and attn_res with
+//     addends (mix_add, mix_add2) gives attn_res_add_rmsnorm's mixture bit for bit.
+//   * In place (`updated` = layer_residual): each vector of a token's prefix is loaded and stored by the one
+//     thread that owns it, the store after the load it depends on, so no thread reads an updated prefix.
 //   * Fixed reduction orders everywhere (butterfly in the warp, warps in order, cluster ranks in order), no
 //     atomics: identical bits run to run, and a token's result does not depend on T or its position.
 //   * One order for every kernel (plan_tuning.hpp split_k_chunk): split_k's, a function of H alone. A one-block
@@ -246,8 +249,8 @@ template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none, bool E
 __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>)
     attn_res_per_token_kernel(const __grid_constant__ PerTokenParamsOf<EXCHANGE> p) {
   namespace cg = cooperative_groups;
-  constexpr bool kNorm = MODE != Mode::mix;
-  constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
+  constexpr bool kNorm = mode_has_norm(MODE);
+  constexpr bool kAdd = mode_has_add(MODE);
   constexpr int kMaxWarps = (EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>) / 32;
   constexpr int kRanks = CLUSTER ? kMaxClusterRanks : 1;
   static_assert(!EXCHANGE || (kAdd && FP8 == Fp8Mode::none), "the fused all-reduce site: modes add/add2, bf16");
@@ -261,7 +264,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   __shared__ alignas(8) uint64_t bars[2];           // split_k: completion of the two exchanges
   __shared__ float recv_ok[EXCHANGE ? kRanks : 1];  // EXCHANGE split_k: every block's "exchanged", by rank
   constexpr bool kFp8 = FP8 != Fp8Mode::none;
-  static_assert(!kFp8 || MODE != Mode::mix, "attn_res has no normed output to quantize");
+  static_assert(!kFp8 || kNorm, "attn_res has no normed output to quantize");
   // FP8: per-warp amax (per_token), per-thread amax (block128 groups that do not align with warps), what the
   // cluster's blocks exchange (per_token: the block's amax; block128: the partial amax of its first and last
   // group), and the exchange's mbarrier.
@@ -394,7 +397,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
   if constexpr (kAdd && !EXCHANGE) {
     add = load16_if(p.add + token * p.add_stride + col, valid);
-    add2 = load16_if(p.add2 + token * p.add2_stride + col, MODE == Mode::add2 && valid);
+    add2 = load16_if(p.add2 + token * p.add2_stride + col, mode_has_add2(MODE) && valid);
   }
   if constexpr (EXCHANGE && MODE == Mode::add2) add = load16_if(p.add + token * p.add_stride + col, valid);
   const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
@@ -512,7 +515,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   float rsigma[NMAX], logit[NMAX], prob[NMAX];
   candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
 
-  if constexpr (MODE == Mode::mix) {
+  if constexpr (!kNorm) {
     // fp32 diagnostics, written by the cluster's first block: the values the mixture used.
     if (rank == 0 && tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
   }
@@ -533,7 +536,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     }
     mixed = pack8(mix);
     unpack8(mixed, mix);  // from here on the mixture is its bf16 value
-    if constexpr (MODE == Mode::mix) {
+    if constexpr (!kNorm) {
       store16(p.output + token * p.output_stride + col, mixed);
     } else {
       if (p.mixture && stores) store16(p.mixture + token * p.mixture_stride + col, mixed);

@@ -19,7 +19,7 @@ __device__ __forceinline__ uint4 add_to_prefix(uint4 prefix, uint4 add, uint4 ad
   float pf[8], s[8];
   unpack8(prefix, pf);
   unpack8(add, s);
-  if constexpr (MODE == Mode::add2) {
+  if constexpr (mode_has_add2(MODE)) {
     float s2[8];
     unpack8(add2, s2);
 #pragma unroll

@@ -23,6 +23,8 @@
 //     the decode step writes); dependents are released right after the wait, as in the per-token kernel
 //     (attn_res_per_token.cuh "PDL release" and docs/ops/pdl.md have the argument, which holds unchanged: every
 //     later token's rows are copied after the wait).
+//   * In place (`updated` = layer_residual): a token's prefix is copied before its updated row is stored, by the
+//     block that owns the token; the prefetched tokens are other rows.
 //   * Every shared array is written only after a barrier that follows its last read of the previous token, and a
 //     stream buffer is refilled only by the thread that read it, a token later: the iterations need no barrier
 //     of their own.
@@ -45,11 +47,12 @@ template <int NMAX, Mode MODE>
 __global__ void __launch_bounds__(kStreamMaxThreads)
     attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {
   constexpr int V = kStreamVectors;
-  constexpr bool kNorm = MODE != Mode::mix;
-  constexpr bool kAdd = MODE == Mode::add || MODE == Mode::add2;
+  constexpr bool kNorm = mode_has_norm(MODE);
+  constexpr bool kAdd = mode_has_add(MODE);
+  constexpr bool kAdd2 = mode_has_add2(MODE);
   constexpr int kMaxWarps = kSingleCtaMaxThreads / 32;  // split_k's 32-vector warps of one token
   constexpr int kValues = 2 * NMAX;                     // (sumsq, dot) per candidate
-  constexpr int kSlots = tuning::stream_slots(NMAX, kAdd, MODE == Mode::add2);
+  constexpr int kSlots = tuning::stream_slots(NMAX, kAdd, kAdd2);
   // kAhead: the tokens past the current one whose copies are in flight when a step starts; each step then issues
   // one more, into the buffer the thread read a step earlier.
   constexpr int kBuffers = tuning::kStreamBuffers, kAhead = kBuffers - 2;
@@ -103,7 +106,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
       if (late) {
         cp_async16_zfill(base + (NMAX - 1) * slot, prefix + col[v], valid[v]);
         if constexpr (kAdd) cp_async16_zfill(base + NMAX * slot, add + col[v], valid[v]);
-        if constexpr (MODE == Mode::add2) cp_async16_zfill(base + (NMAX + 1) * slot, add2 + col[v], valid[v]);
+        if constexpr (kAdd2) cp_async16_zfill(base + (NMAX + 1) * slot, add2 + col[v], valid[v]);
       }
     }
   };
@@ -160,7 +163,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
       rows[v][NMAX - 1] = make_uint4(0, 0, 0, 0);
       prefix[v] = mine[(NMAX - 1) * lanes];
       add[v] = kAdd ? mine[NMAX * lanes] : make_uint4(0, 0, 0, 0);
-      add2[v] = MODE == Mode::add2 ? mine[(NMAX + 1) * lanes] : make_uint4(0, 0, 0, 0);
+      add2[v] = kAdd2 ? mine[(NMAX + 1) * lanes] : make_uint4(0, 0, 0, 0);
     }
     const int next = token + static_cast<int>(gridDim.x), ahead = token + (kAhead + 1) * static_cast<int>(gridDim.x);
     if (ahead < p.tokens) copy_token(ahead, (step + kAhead + 1) % kBuffers, true, true);
@@ -203,7 +206,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
     // ---- softmax over the N candidates, computed identically by every thread ----
     float rsigma[NMAX], logit[NMAX], prob[NMAX];
     candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
-    if constexpr (MODE == Mode::mix) {
+    if constexpr (!kNorm) {
       // fp32 diagnostics: the values the mixture used.
       if (tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
     }
@@ -226,7 +229,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
         }
         const uint4 mixed = pack8(mix[v]);
         unpack8(mixed, mix[v]);  // from here on the mixture is its bf16 value
-        if constexpr (MODE == Mode::mix) {
+        if constexpr (!kNorm) {
           store16(p.output + token * p.output_stride + col[v], mixed);
         } else {
           if (p.mixture) store16(p.mixture + token * p.mixture_stride + col[v], mixed);

@@ -23,6 +23,8 @@ KernelFn stream_by_mode(Mode mode, int max_candidates) {
     case Mode::norm: return stream_instance<Mode::norm>(max_candidates);
     case Mode::add: return stream_instance<Mode::add>(max_candidates);
     case Mode::add2: return stream_instance<Mode::add2>(max_candidates);
+    case Mode::mix_add: return stream_instance<Mode::mix_add>(max_candidates);
+    case Mode::mix_add2: return stream_instance<Mode::mix_add2>(max_candidates);
   }
   return nullptr;
 }
@@ -34,8 +36,8 @@ void launch_attn_res_stream(AttnResOp op, const AttnResArgs& a, const Plan& plan
   const KernelFn kernel = a.fp8 == Fp8Scales::none ? stream_by_mode(mode, plan.max_candidates) : nullptr;
   const PerTokenParams params = make_per_token_params(a, plan);
   if (kernel == nullptr || plan.cluster != 1 || plan.vectors != kStreamVectors || plan.threads > kStreamMaxThreads ||
-      plan.smem_bytes != tuning::stream_smem_bytes(plan.max_candidates, mode == Mode::add || mode == Mode::add2,
-                                                   mode == Mode::add2, plan.threads))
+      plan.smem_bytes != tuning::stream_smem_bytes(plan.max_candidates, mode_has_add(mode), mode_has_add2(mode),
+                                                   plan.threads))
     throw UnsupportedError(std::string(op_name(op)) + ": no streaming single_cta instance for the plan (N bucket " +
                            std::to_string(plan.max_candidates) + ", " + std::to_string(plan.threads) + " threads, " +
                            std::to_string(plan.smem_bytes) + " bytes of shared memory)");
