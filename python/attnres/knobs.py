@@ -27,12 +27,14 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
+from .errors import AttnResError
+
 log = logging.getLogger("attnres.knobs")
 
 _INT = re.compile(r"[+-]?[0-9]+")
 
 
-class KnobError(ValueError):
+class KnobError(AttnResError, ValueError):
     """A knob's value does not follow the grammar."""
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import _C
+from ..errors import AttnResError
 
 SLOTS = _C.limits["all_reduce_slots"]
 SENTINEL_BITS = -32768  # int16 view of bf16 -0.0 (0x8000)
@@ -38,7 +39,7 @@ WIDTH_MULTIPLE = _C.limits["all_reduce_width_multiple"]
 HEADER_ROWS = _C.ALL_REDUCE_HEADER_ROWS
 
 
-class CommunicatorError(_C.Error):
+class CommunicatorError(AttnResError):
     """The exchange failed on the device (a rank did not arrive within the bound), or the communicator is
     unusable. Raised by Communicator.check() and by calls on a broken or closed communicator."""
 
