@@ -1,10 +1,7 @@
 """The ops are inference ops with no backward: a call whose inputs require grad must not hand back outputs that
 silently carry no gradient. Calling with requires_grad inputs and then backward() raises an error whose
 message names the op and says it has no backward (raised at the call or at backward(), either is fine); under
-torch.no_grad / torch.inference_mode the same inputs work and give the bits of the plain call.
-
-The backward cases are xfail until the op layer's rewrite refuses autograd (today backward() fails with
-torch's generic "does not require grad" message, which names no op)."""
+torch.no_grad / torch.inference_mode the same inputs work and give the bits of the plain call."""
 
 from __future__ import annotations
 
@@ -17,7 +14,6 @@ import attnres
 
 BF16 = torch.bfloat16
 T, K, H, R, ROUTES = 2, 3, 64, 5, 2
-NO_BACKWARD = pytest.mark.xfail(strict=True, reason="op layer rewrite")
 
 
 def _inputs() -> dict[str, torch.Tensor]:
@@ -73,7 +69,6 @@ def _with_grad(name: str) -> dict[str, torch.Tensor]:
     return x
 
 
-@NO_BACKWARD
 @pytest.mark.parametrize("op, name", CASES, ids=[f"{op}-{name}" for op, name in CASES])
 def test_backward_through_an_op_raises_naming_it(op, name):
     call, _ = OPS[op]
