@@ -270,11 +270,15 @@ def test_malformed_out_through_the_torch_op_writes_nothing():
         torch.ops.attnres.attn_res_rmsnorm_snapshot.out(lr, bank, K, 9, *w3, *EPS, output=good)
 
 
-def test_options_must_be_an_options():
+def test_options_and_out_must_be_well_formed():
     t = _inputs()
     with Unchanged(*t.values()), pytest.raises(attnres.ArgumentError, match=re.escape(
             "attn_res_rmsnorm: options must be an attnres.Options, got str")):
         attnres.attn_res_rmsnorm(t["lr"], t["bank"][:K], t["res_w"], t["rms_w"], t["norm_w"], *EPS, options="auto")
+    out = (_rows(), _rows(), _rows())
+    with Unchanged(*t.values(), *out), pytest.raises(attnres.ArgumentError, match="^" + re.escape(
+            "attn_res_rmsnorm: out must be a tuple of 1 tensors (output), got tuple") + " of 3$"):
+        attnres.attn_res_rmsnorm(t["lr"], t["bank"][:K], t["res_w"], t["rms_w"], t["norm_w"], *EPS, out=out)
 
 
 # --------------------------------------------------------------------------------------- the snapshot-bank rules
