@@ -10,20 +10,35 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import attnres
 from helpers import BF16, assert_same_bits, make_inputs
 
-OP_NAMES = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_snapshot",
-            "attn_res_add_rmsnorm_persistent")
+OP_NAMES = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_snapshot", "attn_res_rmsnorm_snapshot",
+            "attn_res_add_rmsnorm_snapshot")
 OPTION_ARGS = ("topology", "split_max_tokens", "pdl", "force_kernel", "cluster")
+OUTPUTS = {"attn_res": ("updated", "output", "rsigma", "probs", "logits"),
+           "attn_res_rmsnorm": ("output", "mixture", "output_fp8", "fp8_scales"),
+           "attn_res_add_rmsnorm": ("updated", "output", "mixture", "output_fp8", "fp8_scales")}
+# The persistent kernel is an option of the family op (the persistent ops are gone).
+PERSISTENT = {"topology": "persistent"}
 
 
 def test_ops_are_registered_with_their_schemas():
     for name in OP_NAMES:
+        family = name.removesuffix("_snapshot")
+        snapshot = name.endswith("_snapshot")
         op = getattr(torch.ops.attnres, name)
         schema = op.default._schema
         args = [a.name for a in schema.arguments]
         assert args[0] == "layer_residual", (name, args)
         assert tuple(args[-5:]) == OPTION_ARGS, (name, args)
+        assert [r.name for r in schema.returns] == list(OUTPUTS[family]), (name, schema)
         mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert mutated == (["bank"] if name == "attn_res_add_rmsnorm_snapshot" else []), (name, mutated)
+        assert mutated == (["bank"] if snapshot else []), (name, mutated)
+        # .out: the same arguments, then every output as a keyword-only mutable Tensor?; returns nothing
+        out = op.out._schema
+        out_args = [a.name for a in out.arguments]
+        assert out_args[:len(args)] == args and tuple(out_args[len(args):]) == OUTPUTS[family], (name, out_args)
+        assert all(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+                   for a in out.arguments[len(args):]), (name, out)
+        assert not out.returns, (name, out)
 
 
 def _op_calls(inp):
@@ -33,38 +48,49 @@ def _op_calls(inp):
     eps = (inp.rms_eps, inp.norm_eps)
     full_bank = inp.bank_buffer if inp.layout == "snapshot_major" else None
     calls = [
-        ("attn_res", (lr, bank, inp.res_weight, inp.rms_weight, inp.rms_eps)),
-        ("attn_res_rmsnorm", (lr, bank, *w3, *eps, False)),
-        ("attn_res_rmsnorm", (lr, bank, *w3, *eps, True)),
-        ("attn_res_add_rmsnorm", (lr, add, None, bank, *w3, *eps, False)),
-        ("attn_res_add_rmsnorm", (lr, add, add2, bank, *w3, *eps, True)),
-        ("attn_res_add_rmsnorm_persistent", (lr, add, bank, *w3, *eps)),
-        ("attn_res_add_rmsnorm_persistent", (lr, None, bank, *w3, *eps)),
+        ("attn_res", (lr, bank, inp.res_weight, inp.rms_weight, inp.rms_eps), {}),
+        ("attn_res", (lr, bank, inp.res_weight, inp.rms_weight, inp.rms_eps), {"diagnostics": False}),
+        ("attn_res_rmsnorm", (lr, bank, *w3, *eps, False), {}),
+        ("attn_res_rmsnorm", (lr, bank, *w3, *eps, True), {}),
+        ("attn_res_rmsnorm", (lr, bank, *w3, *eps, True), {"fp8": "per_token"}),
+        ("attn_res_add_rmsnorm", (lr, add, None, bank, *w3, *eps, False), {}),
+        ("attn_res_add_rmsnorm", (lr, add, add2, bank, *w3, *eps, True), {}),
+        ("attn_res_add_rmsnorm", (lr, add, add2, bank, *w3, *eps, False),
+         {"fp8": "per_token", "fp8_pow2_scales": True}),
+        # the former persistent ops: the family ops with topology="persistent"
+        ("attn_res_add_rmsnorm", (lr, add, None, bank, *w3, *eps), PERSISTENT),
+        ("attn_res_rmsnorm", (lr, bank, *w3, *eps), PERSISTENT),
     ]
     if full_bank is not None:
-        calls.append(("attn_res_add_rmsnorm_snapshot", (lr, add, add2, full_bank, inp.K, inp.K, *w3, *eps, True)))
+        calls.append(("attn_res_add_rmsnorm_snapshot", (lr, add, add2, full_bank, inp.K, inp.K, *w3, *eps, True), {}))
+        calls.append(("attn_res_rmsnorm_snapshot", (lr, full_bank, inp.K, inp.K, *w3, *eps, False), {}))
+        calls.append(("attn_res_snapshot", (lr, full_bank, inp.K, inp.K, inp.res_weight, inp.rms_weight,
+                                            inp.rms_eps), {}))
     return calls
 
 
-def _runs_here(name, args, device) -> bool:
+def _runs_here(name, args, kwargs, device) -> bool:
     """The persistent kernel may be declined on CUDA by this build (test_plan covers the reason)."""
-    if name != "attn_res_add_rmsnorm_persistent":
+    if kwargs.get("topology") != "persistent":
         return True
-    lr, add = args[0], args[1]
-    return attnres.plan(name, tokens=lr.shape[0], candidates=args[2].shape[0] + 1, hidden=lr.shape[1],
-                        device=device, add=add is not None, options=attnres.Options(topology="persistent")).accepted
+    lr = args[0]
+    add = args[1] if name == "attn_res_add_rmsnorm" else None
+    bank = args[3] if name == "attn_res_add_rmsnorm" else args[1]
+    return attnres.plan("attn_res_add_rmsnorm_persistent", tokens=lr.shape[0], candidates=bank.shape[0] + 1,
+                        hidden=lr.shape[-1], device=device, add=add is not None,
+                        options=attnres.Options(topology="persistent")).accepted
 
 
 def test_fake_implementations_match_the_real_outputs(device):
     inp = make_inputs(3, 4, 64, layout="snapshot_major", addends=2, seed=1, device=device)
-    for name, args in _op_calls(inp):
-        if not _runs_here(name, args, device):
+    for name, args, kwargs in _op_calls(inp):
+        if not _runs_here(name, args, kwargs, device):
             continue
         op = getattr(torch.ops.attnres, name)
-        real = op(*args)
+        real = op(*args, **kwargs)
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
             fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
-            fake = op(*fake_args)
+            fake = op(*fake_args, **kwargs)
         assert len(fake) == len(real), name
         for i, (f, r) in enumerate(zip(fake, real)):
             assert (tuple(f.shape), f.dtype, f.device) == (tuple(r.shape), r.dtype, r.device), (name, i, f, r)
@@ -74,25 +100,35 @@ def test_fake_shapes_under_meta_tensors():
     """All-meta inputs (shape inference without data) give the documented output shapes."""
     inp = make_inputs(5, 3, 200, addends=2, seed=2, device="meta")
     T, N, H = 5, 3, 200
-    mixture, *diag = torch.ops.attnres.attn_res(inp.layer_residual, inp.block_residual, inp.res_weight,
-                                                inp.rms_weight, 1e-5)
+    upd, mixture, *diag = torch.ops.attnres.attn_res(inp.layer_residual, inp.block_residual, inp.res_weight,
+                                                     inp.rms_weight, 1e-5)
+    assert upd.shape == (0,)
     assert mixture.shape == (T, H) and mixture.dtype == BF16 and mixture.device.type == "meta"
     assert all(d.shape == (N, T) and d.dtype == torch.float32 for d in diag)
-    out, tap = torch.ops.attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, inp.res_weight,
-                                                  inp.rms_weight, inp.norm_weight, 1e-5, 1e-5, False)
-    assert out.shape == (T, H) and tap.shape == (0,)
-    upd, out = torch.ops.attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, None, inp.block_residual,
-                                                                 inp.res_weight, inp.rms_weight, inp.norm_weight,
-                                                                 1e-5, 1e-5)
-    assert upd.shape == (0,) and out.shape == (T, H)
+    out, tap, q, s = torch.ops.attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, inp.res_weight,
+                                                        inp.rms_weight, inp.norm_weight, 1e-5, 1e-5, False)
+    assert out.shape == (T, H) and tap.shape == (0,) and q.shape == (0,) and s.shape == (0,)
+    out, tap, q, s = torch.ops.attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, inp.res_weight,
+                                                        inp.rms_weight, inp.norm_weight, 1e-5, 1e-5, True,
+                                                        fp8="per_token")
+    assert out.shape == (T, H) and tap.shape == (T, H) and q.shape == (T, H) and q.dtype == torch.float8_e4m3fn
+    assert s.shape == (T, 1) and s.dtype == torch.float32
+    # the former persistent op without an addend: attn_res_rmsnorm on the persistent topology
+    out, tap, q, s = torch.ops.attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, inp.res_weight,
+                                                        inp.rms_weight, inp.norm_weight, 1e-5, 1e-5, **PERSISTENT)
+    assert tap.shape == (0,) and out.shape == (T, H)
+    upd, out, tap, q, s = torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None,
+                                                                 inp.block_residual, inp.res_weight, inp.rms_weight,
+                                                                 inp.norm_weight, 1e-5, 1e-5, **PERSISTENT)
+    assert upd.shape == (T, H) and out.shape == (T, H) and tap.shape == (0,) and q.shape == (0,)
 
 
 def test_opcheck(device):
     inp = make_inputs(3, 4, 64, layout="snapshot_major", addends=2, seed=3, device=device)
-    for name, args in _op_calls(inp):
-        if not _runs_here(name, args, device):
+    for name, args, kwargs in _op_calls(inp):
+        if not _runs_here(name, args, kwargs, device):
             continue
-        torch.library.opcheck(getattr(torch.ops.attnres, name).default, args)
+        torch.library.opcheck(getattr(torch.ops.attnres, name).default, args, kwargs)
 
 
 def _every_public_op(lr, add, add2, bank, res_w, rms_w, norm_w):
@@ -126,7 +162,7 @@ def test_compile_fullgraph_equals_eager(three_d, device):
     for i, (c, e) in enumerate(zip(compiled, eager)):
         assert_same_bits(c, e, f"compiled output #{i}")
     pargs = (lr, add, inp.block_residual, inp.res_weight, inp.rms_weight, inp.norm_weight)
-    if _runs_here("attn_res_add_rmsnorm_persistent", (inp.layer_residual, add, inp.block_residual), device):
+    if _runs_here("attn_res_add_rmsnorm", (inp.layer_residual, add, None, inp.block_residual), PERSISTENT, device):
         for i, (c, e) in enumerate(zip(torch.compile(_persistent, fullgraph=True)(*pargs), _persistent(*pargs))):
             assert_same_bits(c, e, f"compiled persistent output #{i}")
 
@@ -137,8 +173,8 @@ def test_compile_snapshot_op_writes_the_bank(device):
     inp = make_inputs(3, 4, 128, layout="snapshot_major", addends=2, seed=5, device=device)
 
     def step(lr, add, add2, bank, res_w, rms_w, norm_w):
-        upd, out, _ = torch.ops.attnres.attn_res_add_rmsnorm_snapshot(lr, add, add2, bank, 3, 3, res_w, rms_w, norm_w,
-                                                                      1e-5, 1e-5, False)
+        upd, out, *_ = torch.ops.attnres.attn_res_add_rmsnorm_snapshot(lr, add, add2, bank, 3, 3, res_w, rms_w, norm_w,
+                                                                       1e-5, 1e-5, False)
         return upd, out
 
     eager_bank = inp.bank_buffer.clone()

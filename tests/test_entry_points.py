@@ -54,8 +54,8 @@ def test_snapshot_op_refuses_rows_outside_the_bank(K, slot, message, device):
 def test_snapshot_op_still_writes_inside_the_bank():
     lr, bank, w = _attn(4, 64, 3)
     bank[2].fill_(float("nan"))
-    updated, _, _ = torch.ops.attnres.attn_res_add_rmsnorm_snapshot(lr, torch.zeros_like(lr), None, bank, 2, 2, w,
-                                                                    w, w, 1e-5, 1e-5)
+    updated, *_ = torch.ops.attnres.attn_res_add_rmsnorm_snapshot(lr, torch.zeros_like(lr), None, bank, 2, 2, w, w,
+                                                                  w, 1e-5, 1e-5)
     assert torch.equal(bank[2].view(torch.int16), updated.view(torch.int16))
 
 
@@ -71,8 +71,8 @@ def _calls(lr, bank, w):
         ("attn_res_add_rmsnorm", lambda: ops.attn_res_add_rmsnorm(lr, lr, None, bank, w, w, w, 1e-5, 1e-5)),
         ("attn_res_add_rmsnorm_snapshot",
          lambda: ops.attn_res_add_rmsnorm_snapshot(lr, lr, None, bank, 1, 1, w, w, w, 1e-5, 1e-5)),
-        ("attn_res_add_rmsnorm_persistent",
-         lambda: ops.attn_res_add_rmsnorm_persistent(lr, lr, bank, w, w, w, 1e-5, 1e-5)),
+        ("attn_res_add_rmsnorm (persistent topology)",
+         lambda: ops.attn_res_add_rmsnorm(lr, lr, None, bank, w, w, w, 1e-5, 1e-5, topology="persistent")),
         ("moe_finalize", lambda: ops.moe_finalize(lr, weights, index, None, None, 1e-5, 1.0)),
     ]
 
@@ -96,7 +96,7 @@ def test_one_meta_tensor_among_cpu_tensors_raises(which):
 
 def test_all_meta_calls_still_infer_shapes():
     lr, bank, w = (t.to("meta") for t in _attn())
-    mixture, rsigma, _, _ = torch.ops.attnres.attn_res(lr, bank, w, w, 1e-5)
+    _, mixture, rsigma, _, _ = torch.ops.attnres.attn_res(lr, bank, w, w, 1e-5)
     assert mixture.device.type == "meta" and tuple(mixture.shape) == (4, 64) and tuple(rsigma.shape) == (3, 4)
 
 

@@ -1,4 +1,5 @@
-"""The FP8 and snapshot-writing variants and the all-reduce ops keep the base ops' entry-point guarantees
+"""The FP8, snapshot-writing and persistent-topology calls of the family ops and the all-reduce ops keep the
+base ops' entry-point guarantees
 (tests/test_entry_points.py): the first call in a fresh interpreter does not import torch._dynamo, a meta
 tensor among CPU tensors raises ArgumentError instead of reaching the fake implementation, a fake call with
 a wrong rank raises the real op's ArgumentError, and torch.library.opcheck passes. CPU calls of the
@@ -37,8 +38,9 @@ def _tensors(device="cpu"):
 
 
 def _calls(t, bank=None):
-    """name -> (op, args) for every op of _custom_ops_variants.py and all_reduce.py; `bank` replaces the
-    bank (and block residual) where given."""
+    """case -> (op, args) for the variants of the family ops (the FP8 outputs, the snapshot ops, the persistent
+    topology: arguments of torch.ops.attnres.<family>[_snapshot]) and every op of all_reduce.py; `bank` replaces
+    the bank (and block residual) where given."""
     lr, add, w, st = t["lr"], t["add"], t["w"], t["state"]
     full = t["bank"] if bank is None else bank
     block = t["bank"][:K] if bank is None else bank
@@ -48,15 +50,17 @@ def _calls(t, bank=None):
     ops = torch.ops.attnres
     return {
         "attn_res_snapshot": (ops.attn_res_snapshot, (lr, full, K, K, w, w, eps[0])),
-        "attn_res_rmsnorm_fp8": (ops.attn_res_rmsnorm_fp8, (lr, block, w, w, w, *eps, True, "block128")),
+        "attn_res_rmsnorm-block128": (ops.attn_res_rmsnorm, (lr, block, w, w, w, *eps, True, "block128")),
         "attn_res_rmsnorm_snapshot": (ops.attn_res_rmsnorm_snapshot,
                                       (lr, full, K, K, w, w, w, *eps, False, "per_token")),
-        "attn_res_add_rmsnorm_fp8": (ops.attn_res_add_rmsnorm_fp8,
-                                     (lr, add, None, block, w, w, w, *eps, False, "per_token", True)),
-        "attn_res_add_rmsnorm_snapshot_fp8": (ops.attn_res_add_rmsnorm_snapshot_fp8,
-                                              (lr, add, add, full, K, K, w, w, w, *eps, True, "block128")),
-        "attn_res_add_rmsnorm_persistent_fp8": (ops.attn_res_add_rmsnorm_persistent_fp8,
-                                                (lr, add, block, w, w, w, *eps, "per_token")),
+        "attn_res_add_rmsnorm-per_token": (ops.attn_res_add_rmsnorm,
+                                           (lr, add, None, block, w, w, w, *eps, False, "per_token", True)),
+        "attn_res_add_rmsnorm_snapshot-block128": (ops.attn_res_add_rmsnorm_snapshot,
+                                                   (lr, add, add, full, K, K, w, w, w, *eps, True, "block128")),
+        # the former attn_res_add_rmsnorm_persistent_fp8: fp8 and the persistent topology as arguments
+        "attn_res_add_rmsnorm-persistent-per_token": (ops.attn_res_add_rmsnorm,
+                                                      (lr, add, None, block, w, w, w, *eps, False, "per_token",
+                                                       False, "persistent")),
         "all_reduce": (ops.all_reduce, (add, gathered, st, [], *W1)),
         "all_reduce_attn_res_add_rmsnorm": (ops.all_reduce_attn_res_add_rmsnorm,
                                             (add, gathered, st, [], *W1, "add", lr, None, full, K, K, w, w, w,
@@ -75,21 +79,52 @@ def test_every_new_op_is_registered_through_the_library_registry():
     from attnres import _registry
 
     registered = {d.split("(")[0] for d in _registry._LIB._op_defs}
-    assert {f"attnres::{n}" for n in NAMES} <= registered
+    used = {op._qualified_op_name for op, _ in _calls(_tensors()).values()}
+    assert used <= registered
+    # the family ops also register their .out overload through the same registry
+    assert {f"{op}.out" for op in used if op.startswith("attnres::attn_res")} <= registered
 
 
-@pytest.mark.parametrize("name", ["attn_res_rmsnorm_fp8", "attn_res_rmsnorm_snapshot",
-                                  "attn_res_add_rmsnorm_fp8", "attn_res_add_rmsnorm_snapshot_fp8", "attn_res_snapshot",
+@pytest.mark.parametrize("name", ["attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_rmsnorm_snapshot",
+                                  "attn_res_add_rmsnorm_snapshot", "attn_res_snapshot",
                                   "all_reduce_attn_res_add_rmsnorm"])
 def test_attention_options_default_to_auto(name):
-    schema = getattr(torch.ops.attnres, name).default._schema
-    topology = next(a for a in schema.arguments if a.name == "topology")
-    assert topology.default_value == attnres.Options().topology == "auto"
+    packet = getattr(torch.ops.attnres, name)
+    for overload in packet.overloads():
+        schema = getattr(packet, overload)._schema
+        topology = next(a for a in schema.arguments if a.name == "topology")
+        assert topology.default_value == attnres.Options().topology == "auto", (name, overload)
 
 
-def test_persistent_fp8_keeps_the_persistent_default():
-    schema = torch.ops.attnres.attn_res_add_rmsnorm_persistent_fp8.default._schema
-    assert next(a for a in schema.arguments if a.name == "topology").default_value == "persistent"
+def test_persistent_alias_with_fp8_runs_on_the_persistent_topology():
+    """attnres.attn_res_add_rmsnorm_persistent (the former persistent FP8 op's entry point) is
+    attn_res_add_rmsnorm with topology="persistent": through torch's dispatcher the op sees that topology and
+    the FP8 mode, and the results are the family op's bits."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace == "attnres":
+                names = [a.name for a in func._schema.arguments]
+                seen.append((func.name(), {**dict(zip(names, args)), **kwargs}))
+            return func(*args, **kwargs)
+
+    t = _tensors()
+    lr, add, w, block = t["lr"], t["add"], t["w"], t["bank"][:K]
+    with Record():
+        got = attnres.attn_res_add_rmsnorm_persistent(lr, block, w, w, w, 1e-5, 1e-6, layer_residual_add=add,
+                                                      fp8="per_token")
+    assert [name for name, _ in seen] == ["attnres::attn_res_add_rmsnorm"], seen
+    assert seen[0][1]["topology"] == "persistent" and seen[0][1]["fp8"] == "per_token", seen
+    want = torch.ops.attnres.attn_res_add_rmsnorm(lr, add, None, block, w, w, w, 1e-5, 1e-6, fp8="per_token",
+                                                  topology="persistent")
+    want = (want[0], want[1], want[3], want[4])
+    assert len(got) == 4
+    for i, (g, e) in enumerate(zip(got, want)):
+        assert torch.equal(g.view(torch.uint8), e.view(torch.uint8)), i
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -124,7 +159,7 @@ def test_fake_call_with_a_wrong_rank_raises_the_real_ops_argument_error(name):
 
 def test_fake_block128_with_h_not_a_multiple_of_128_raises():
     t = _tensors()
-    op, args = _calls(t)["attn_res_rmsnorm_fp8"]
+    op, args = _calls(t)["attn_res_rmsnorm-block128"]
     narrow = [a[..., :64].contiguous() if isinstance(a, torch.Tensor) else a for a in args]
     with FakeTensorMode() as mode:
         with pytest.raises(attnres.ArgumentError, match=r"^attn_res_rmsnorm: fp8 = block128 needs the hidden size "
@@ -147,8 +182,8 @@ def test_fake_results_match_the_real_ones(name):
 
 def test_all_meta_calls_infer_shapes():
     t = {k: v.to("meta") for k, v in _tensors().items()}
-    q, s = torch.ops.attnres.attn_res_rmsnorm_fp8(t["lr"], t["bank"][:K], t["w"], t["w"], t["w"], 1e-5, 1e-6,
-                                                  False, "block128")[2:]
+    q, s = torch.ops.attnres.attn_res_rmsnorm(t["lr"], t["bank"][:K], t["w"], t["w"], t["w"], 1e-5, 1e-6,
+                                              False, "block128")[2:]
     assert q.device.type == "meta" and tuple(q.shape) == (T, H) and s.stride() == (1, 4)
     reduced = torch.ops.attnres.all_reduce(t["add"], t["lr"][None], t["state"], [], *W1)
     assert reduced.device.type == "meta" and tuple(reduced.shape) == (T, H)
@@ -160,8 +195,9 @@ def test_fused_op_refuses_num_snapshots_past_the_bank():
     op, args = _calls(t)["all_reduce_attn_res_add_rmsnorm"]
     args = list(args)
     args[13], args[14] = 9, -1
-    with pytest.raises(attnres.ArgumentError, match=r"^all_reduce_attn_res_add_rmsnorm: num_snapshots = 9 must be "
-                                                    r"in \[0, 3\] \(the bank holds 3 rows\)$"):
+    # the bank-rows rule is the family ops' (one C++ check, one wording)
+    with pytest.raises(attnres.ArgumentError, match=r"^all_reduce_attn_res_add_rmsnorm: num_snapshots 9 exceeds the "
+                                                    r"bank's 3 rows$"):
         op(*args)
 
 

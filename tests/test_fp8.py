@@ -289,10 +289,13 @@ def test_rejections_write_nothing(device):
                                               fp8_pow2_scales=True), "fp8_pow2_scales requires"),
         (lambda: attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, inp.block_residual, *w,
                                                          fp8="block128"), "multiple of 128"),
-        (lambda: torch.ops.attnres.attn_res_rmsnorm_fp8(inp.layer_residual, inp.block_residual, *w, False,
-                                                        "block128"), "multiple of 128"),
-        (lambda: torch.ops.attnres.attn_res_add_rmsnorm_fp8(inp.layer_residual, inp.add, None, inp.block_residual,
-                                                            *w, False, "per_tensor"), "fp8 must be"),
+        (lambda: torch.ops.attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, False,
+                                                    "block128"), "multiple of 128"),
+        (lambda: torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                        *w, False, "per_tensor"), "fp8 must be"),
+        (lambda: torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                        *w, False, "block128", topology="persistent"),
+         "multiple of 128"),
     ]
     for call, message in cases:
         with pytest.raises(attnres.ArgumentError, match=message):
@@ -367,15 +370,14 @@ def test_fake_shapes_and_strides(mode):
 
     T, H = 5, 384
     inp = make_inputs(T, 3, H, addends=1)
-    real = torch.ops.attnres.attn_res_add_rmsnorm_fp8(inp.layer_residual, inp.add, None, inp.block_residual,
-                                                      inp.res_weight, inp.rms_weight, inp.norm_weight, 1e-5, 1e-5,
-                                                      False, mode)
+    real = torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                  inp.res_weight, inp.rms_weight, inp.norm_weight, 1e-5, 1e-5,
+                                                  False, mode)
     with FakeTensorMode() as m:
         args = [m.from_tensor(t) for t in (inp.layer_residual, inp.add, inp.block_residual, inp.res_weight,
                                             inp.rms_weight, inp.norm_weight)]
-        fake = torch.ops.attnres.attn_res_add_rmsnorm_fp8(args[0], args[1], None, *args[2:], 1e-5, 1e-5, False,
-                                                          mode)
-        fake_rms = torch.ops.attnres.attn_res_rmsnorm_fp8(args[0], args[2], *args[3:], 1e-5, 1e-5, False, mode)
+        fake = torch.ops.attnres.attn_res_add_rmsnorm(args[0], args[1], None, *args[2:], 1e-5, 1e-5, False, mode)
+        fake_rms = torch.ops.attnres.attn_res_rmsnorm(args[0], args[2], *args[3:], 1e-5, 1e-5, False, mode)
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     assert fake_rms[3].stride() == real[4].stride() and fake_rms[2].dtype == torch.float8_e4m3fn

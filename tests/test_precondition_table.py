@@ -45,7 +45,7 @@ def test_every_source_contributes_its_messages(messages):
     for m in messages:
         by_file.setdefault(m.source.split(":")[0], []).append(m)
     for path in ("cpp/src/checks.hpp", "cpp/src/validate.cpp", "cpp/src/plan.cpp", "cpp/src/moe_finalize_validate.cpp",
-                 "python/attnres/_tensors.py", "python/attnres/ops.py", "python/attnres/_custom_ops.py",
+                 "python/attnres/_tensors.py", "python/attnres/ops.py", "python/attnres/_attn_ops.py",
                  "python/attnres/options.py", "python/attnres/planning.py", "python/attnres/moe_ops.py", "python/attnres/moe_tail.py"):
         assert by_file.get(path), f"no message parsed from {path}"
     # Each fail(...) site of the two validators is listed (a site with a computed argument at least once).

@@ -7,7 +7,7 @@ message naming op, argument and rule, and that the rejected call wrote nothing: 
 and spare bank rows included) and every caller-provided output keeps its bits.
 
 Preconditions that the public functions cannot reach (the outputs they allocate are always well formed)
-go through attnres._C.run with hand-built AttnResArgs, as _custom_ops.py builds them. Layout violations
+go through attnres._C.run with hand-built AttnResArgs, as _attn_ops.py builds them. Layout violations
 that torch cannot express (negative strides, null pointers) use hand-made TensorRefs over real memory.
 CUDA-only rules are tested on a GPU with real tensors, and on every machine through attnres._C.validate with
 TensorRefs that claim a CUDA device (validate never dereferences a pointer; nothing is launched).
@@ -112,6 +112,12 @@ def _public(op, inp, **over):
     return attnres.attn_res_add_rmsnorm_persistent(a["layer_residual"], a["block_residual"], *w, a["norm_weight"],
                                                    a["rms_eps"], a["norm_eps"],
                                                    layer_residual_add=a["layer_residual_add"], options=a["options"])
+
+
+def _pub(op):
+    """The op a public call's message names: attnres.attn_res_add_rmsnorm_persistent is an alias of
+    attn_res_add_rmsnorm with Options(topology="persistent") (_public passes it an addend)."""
+    return "attn_res_add_rmsnorm" if op == "attn_res_add_rmsnorm_persistent" else op
 
 
 def _case_value(inp, name):
@@ -320,7 +326,7 @@ def test_wrong_shape(op, name, make, message, device):
     inp = _inputs(device)
     w = Written(inp)
     bad = w.new(make(device))
-    with w, _rejects(attnres.ArgumentError, f"{op}: {message}"):
+    with w, _rejects(attnres.ArgumentError, f"{_pub(op)}: {message}"):
         _public(op, inp, **{name: bad})
 
 
@@ -329,7 +335,7 @@ def test_zero_tokens(op, device):
     inp = _inputs(device)
     w = Written(inp)
     lr, add, bank = w.new(_rand((0, H), device)), w.new(_rand((0, H), device)), w.new(_rand((K, 0, H), device))
-    with w, _rejects(attnres.ArgumentError, f"{op}: layer_residual must hold T >= 1 tokens, got shape [0, {H}]"):
+    with w, _rejects(attnres.ArgumentError, f"{_pub(op)}: layer_residual must hold T >= 1 tokens, got shape [0, {H}]"):
         _public(op, inp, layer_residual=lr, layer_residual_add=add, layer_residual_add2=add if
                 op == "attn_res_add_rmsnorm" else None, block_residual=bank)
 
@@ -343,7 +349,7 @@ def test_hidden_size_out_of_range(op, hidden, device):
     bank = w.new(_rand((K, T, hidden), device))
     wt = w.new(_rand((hidden,), device))
     with w, _rejects(attnres.ArgumentError,
-                     f"{op}: layer_residual hidden size H = {hidden} must be a multiple of 8 in [8, 16384]"):
+                     f"{_pub(op)}: layer_residual hidden size H = {hidden} must be a multiple of 8 in [8, 16384]"):
         _public(op, inp, layer_residual=lr, layer_residual_add=add, layer_residual_add2=add if
                 op == "attn_res_add_rmsnorm" else None, block_residual=bank, res_weight=wt, rms_weight=wt,
                 norm_weight=wt)
@@ -395,7 +401,7 @@ def test_input_wrong_dtype(op, name, dtype, device):
     w = Written(inp)
     bad = w.new(_case_value(inp, name).to(dtype) if dtype not in (torch.int32, torch.int16, torch.uint32) else
                 torch.randint(1, 9, _case_value(inp, name).shape, dtype=dtype, device=device))
-    with w, _rejects(attnres.ArgumentError, f"{op}: {name} must be bfloat16, got {DTYPE_NAMES[dtype]}"):
+    with w, _rejects(attnres.ArgumentError, f"{_pub(op)}: {name} must be bfloat16, got {DTYPE_NAMES[dtype]}"):
         _public(op, inp, **{name: bad})
 
 
@@ -460,7 +466,7 @@ def test_unsupported_device_type_mixed_with_cpu(op):
     inp = _inputs("cpu")
     w = Written(inp)
     meta = inp.block_residual.to("meta")
-    with w, _rejects(ValueError, f"{op}: block_residual is on meta: only cpu and cuda tensors are supported"):
+    with w, _rejects(ValueError, f"{_pub(op)}: block_residual is on meta: only cpu and cuda tensors are supported"):
         _public(op, inp, block_residual=meta)
 
 
@@ -495,7 +501,7 @@ def test_non_unit_innermost_stride(op, name, device):
     bad = w.new(_inner_strided(_case_value(inp, name)))
     strides = ", ".join(str(s) for s in bad.stride())
     with w, _rejects(attnres.ArgumentError,
-                     f"{op}: {name} must have a contiguous last dimension (stride 1), got strides [{strides}]"):
+                     f"{_pub(op)}: {name} must have a contiguous last dimension (stride 1), got strides [{strides}]"):
         _public(op, inp, **{name: bad})
 
 
@@ -508,7 +514,7 @@ def test_overlapping_token_rows(op, name, device):
     shape = ", ".join(str(s) for s in bad.shape)
     strides = ", ".join(str(s) for s in bad.stride())
     with Written(inp), _rejects(attnres.ArgumentError,
-                                f"{op}: {name} has an overlapping layout (shape [{shape}], strides [{strides}]): "
+                                f"{_pub(op)}: {name} has an overlapping layout (shape [{shape}], strides [{strides}]): "
                                 "every element must have its own address"):
         _public(op, inp, **{name: bad})
 
@@ -569,7 +575,7 @@ BAD_EPS = [float("nan"), float("inf"), float("-inf"), -1e-5]
 @pytest.mark.parametrize("op", OPS)
 def test_bad_rms_eps(op, eps, device):
     inp = _inputs(device)
-    with Written(inp), _rejects(attnres.ArgumentError, f"{op}: rms_eps must be finite and >= 0, got "):
+    with Written(inp), _rejects(attnres.ArgumentError, f"{_pub(op)}: rms_eps must be finite and >= 0, got "):
         _public(op, inp, rms_eps=eps)
 
 
@@ -577,7 +583,7 @@ def test_bad_rms_eps(op, eps, device):
 @pytest.mark.parametrize("op", OPS[1:])
 def test_bad_norm_eps(op, eps, device):
     inp = _inputs(device)
-    with Written(inp), _rejects(attnres.ArgumentError, f"{op}: norm_eps must be finite and >= 0, got "):
+    with Written(inp), _rejects(attnres.ArgumentError, f"{_pub(op)}: norm_eps must be finite and >= 0, got "):
         _public(op, inp, norm_eps=eps)
 
 
@@ -916,7 +922,7 @@ def test_cuda_kernels_declined_on_cpu(op, kernel):
     why = ("the persistent kernel does not emit the fp32 diagnostics: attn_res runs on the per-token kernels"
            if (op, kernel) == ("attn_res", "persistent") else f"kernel {kernel} runs on CUDA devices; the tensors "
            "are on cpu")
-    with Written(inp), _rejects(attnres.UnsupportedError, f"{op}: {why}"):
+    with Written(inp), _rejects(attnres.UnsupportedError, f"{_pub(op)}: {why}"):
         _public(op, inp, layer_residual_add2=None, options=attnres.Options(kernel=kernel))
 
 

@@ -13,7 +13,7 @@ Messages come from every place that raises one:
     per literal argument it is called with in the same family (e.g. check.layout("rows", ...)) plus once for
     its calls with computed arguments (shown as <arg>).
   * Python: `raise ...(f"...")` and `_argument_error(arg, f"...")` in python/attnres/_tensors.py, ops.py,
-    _custom_ops.py, options.py, planning.py, moe_ops.py and moe_tail.py.
+    _attn_ops.py, options.py, planning.py, moe_ops.py and moe_tail.py.
 The rule shown is the condition the message is raised under (the `if` around it).
 
 A test covers a message when one of its string literals (an f-string's fields, a `.format` field or a `.*` of
@@ -42,7 +42,7 @@ DTYPES = ("bfloat16", "float32", "float16", "float64", "int32", "int64", "uint8"
 CPP_SOURCES = {"cpp/src/checks.hpp": None, "cpp/src/validate.cpp": "attention", "cpp/src/plan.cpp": "attention",
                "cpp/src/moe_finalize_validate.cpp": "moe"}
 PY_SOURCES = {"python/attnres/_tensors.py": "attention", "python/attnres/ops.py": "attention",
-              "python/attnres/_custom_ops.py": "attention", "python/attnres/options.py": "attention",
+              "python/attnres/_attn_ops.py": "attention", "python/attnres/options.py": "attention",
               "python/attnres/planning.py": "attention", "python/attnres/moe_ops.py": "moe",
               "python/attnres/moe_tail.py": "moe"}
 MIN_LITERAL = 10
