@@ -144,7 +144,7 @@ def call(family: Family, v: dict, outs: dict, snapshot: bool, direct: bool) -> b
         tensors = tensors[:3] + (v["bank"],) + tensors[4:]
         K, slot = v["num_snapshots"], v["snapshot_slot"]
     else:
-        K, slot = -1, -1
+        K, slot = _C.NOT_SNAPSHOT, -1
     options = v.get("_options") or c_options(*(v.get(k, d) for k, d in zip(OPTION_NAMES, _OPTION_DEFAULTS)))
     return _C.attn_res_call(family.op, tensors, float(v["rms_eps"]), float(v.get("norm_eps", 1e-5)), slot, K,
                             v.get("fp8"), bool(v.get("fp8_pow2_scales", False)), options, direct)
@@ -225,7 +225,7 @@ def _fake(family: Family, names: tuple[str, ...], snapshot: bool, out: bool):
         if not out:
             for o in family.outputs:
                 tensors[o] = None
-        fake_check(family.name, family.op, v["num_snapshots"] if snapshot else -1,
+        fake_check(family.name, family.op, v["num_snapshots"] if snapshot else _C.NOT_SNAPSHOT,
                    v["snapshot_slot"] if snapshot else -1, v["rms_eps"], v.get("norm_eps", 1e-5), v.get("fp8"),
                    v.get("fp8_pow2_scales", False), **{k: t for k, t in tensors.items()})
         c_options(*(v.get(k, d) for k, d in zip(OPTION_NAMES, _OPTION_DEFAULTS)))

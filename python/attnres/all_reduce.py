@@ -237,7 +237,7 @@ def _(partial, gathered, state, buffers, world_size, rank, capacity, width, time
     # The library's rules of the attention half, the reduced sum as the site's addend.
     addends = {"layer_residual_add": outputs[0]} if site == "add" else \
         {"layer_residual_add": layer_residual_add, "layer_residual_add2": outputs[0]}
-    fake_check(op, _C.AttnResOp.attn_res_add_rmsnorm, num_snapshots if bank.dim() == 3 else -1, snapshot_slot,
+    fake_check(op, _C.AttnResOp.attn_res_add_rmsnorm, num_snapshots if bank.dim() == 3 else _C.NOT_SNAPSHOT, snapshot_slot,
                rms_eps, norm_eps, layer_residual=layer_residual, block_residual=bank, res_weight=res_weight,
                rms_weight=rms_weight, norm_weight=norm_weight, **addends)
     return outputs

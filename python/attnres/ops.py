@@ -32,6 +32,7 @@ _is_compiling = torch.compiler.is_compiling
 _empty_like = torch.empty_like
 _call = _C.attn_res_call
 _OP = _C.AttnResOp
+_NOT_SNAPSHOT = _C.NOT_SNAPSHOT
 
 
 @functools.lru_cache(maxsize=64)
@@ -171,7 +172,7 @@ def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: fl
         updated = None if layer_residual_add is None else _empty_like(layer_residual)
         if _call(_OP.attn_res, (layer_residual, layer_residual_add, layer_residual_add2, block_residual, res_weight,
                                 rms_weight, None, mixture, updated, None, None, None, None, None, None),
-                 rms_eps, 1e-5, -1, -1, None, False, _DEFAULT_C, True):
+                 rms_eps, 1e-5, -1, _NOT_SNAPSHOT, None, False, _DEFAULT_C, True):
             return mixture if updated is None else (updated, mixture)
     produced = (("updated",) if layer_residual_add is not None else ()) + ("output",) + \
         (("rsigma", "probs", "logits") if diagnostics else ())
@@ -197,7 +198,7 @@ def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, nor
         output = _empty_like(layer_residual)
         if _call(_OP.attn_res_rmsnorm, (layer_residual, None, None, block_residual, res_weight, rms_weight,
                                         norm_weight, output, None, None, None, None, None, None, None),
-                 rms_eps, norm_eps, -1, -1, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
+                 rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
             return output
     produced = ("output",) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "block_residual": block_residual, "res_weight": res_weight,
@@ -220,7 +221,7 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
         if _call(_OP.attn_res_add_rmsnorm, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
                                             res_weight, rms_weight, norm_weight, output, updated, None, None, None,
                                             None, None, None),
-                 rms_eps, norm_eps, -1, -1, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
+                 rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
             return updated, output
     produced = ("updated", "output") + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "layer_residual_add": layer_residual_add,

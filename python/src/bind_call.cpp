@@ -208,8 +208,11 @@ TensorRef* slot(AttnResArgs& a, int i) {
 // A snapshot call takes the whole bank [rows, T, H] and the candidate count K: the candidates are its first K
 // rows and the snapshot row must be one of its rows, so nothing outside the tensor the schema declares as
 // mutated is written. Trims block_residual to the K candidate rows (keeping the bank's base pointer).
+// num_snapshots of a call that is not a snapshot call (block_residual is the candidates).
+constexpr int64_t kNotSnapshot = INT64_MIN;
+
 void apply_bank_rows(const std::string& name, AttnResArgs& a, int64_t num_snapshots) {
-  if (num_snapshots == -1) return;  // block_residual is the candidates
+  if (num_snapshots == kNotSnapshot) return;
   if (num_snapshots < 0)
     throw ArgumentError(name + ": num_snapshots must be >= 0, got " + std::to_string(num_snapshots));
   TensorRef& bank = a.block_residual;
@@ -226,6 +229,7 @@ void apply_bank_rows(const std::string& name, AttnResArgs& a, int64_t num_snapsh
 }
 
 void bind_call(nb::module_& m) {
+  m.attr("NOT_SNAPSHOT") = kNotSnapshot;
   // Runs the op; returns False without doing anything when `direct` and the call needs torch's dispatcher
   // (a tensor subclass, an argument that is not a tensor, autograd, an active dispatch or function mode):
   // the Python layer then goes through torch.ops.attnres.*.
