@@ -507,3 +507,55 @@ def test_out_with_requires_grad_raises_at_call_time():
     with torch.no_grad():
         attnres.attn_res_add_rmsnorm(lr, t["add"], t["bank"][:K], *w3, *EPS, out=out)
     assert not out[1].isnan().any()
+
+
+# ----------------------------------------------------------------------------------- moe_finalize out=
+def _moe_inputs(seed=0, R=6, D=64, T=3, k=2):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(R, D, generator=g).to(torch.bfloat16)
+    weights = torch.rand(T, k, generator=g)
+    index = torch.randint(0, R, (T, k), generator=g).to(torch.int32)
+    shared = torch.randn(T, D, generator=g).to(torch.bfloat16)
+    return rows, weights, index, shared, torch.ones(D, dtype=torch.bfloat16)
+
+
+def test_moe_finalize_out_is_returned_and_equals_the_allocating_call():
+    rows, weights, index, shared, nw = _moe_inputs()
+    want = attnres.moe_finalize(rows, weights, index, shared=shared, norm_weight=nw, eps=1e-5)
+    out = torch.full_like(want, float("nan"))
+    got = attnres.moe_finalize(rows, weights, index, shared=shared, norm_weight=nw, eps=1e-5, out=out)
+    assert got is out
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    out2 = torch.full_like(want, float("nan"))
+    torch.ops.attnres.moe_finalize.out(rows, weights, index, shared, nw, 1e-5, 1.0, output=out2)
+    assert torch.equal(out2.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda rows, shared: torch.empty(3, 72, dtype=torch.bfloat16), "output must have shape [T, D] = [3, 64]"),
+    (lambda rows, shared: torch.empty(3, 64), "output must be bfloat16, got float32"),
+    (lambda rows, shared: rows[:3], "output overlaps rows"),
+    (lambda rows, shared: shared, "output overlaps shared"),
+])
+def test_moe_finalize_bad_out_is_refused_and_nothing_written(make, message):
+    rows, weights, index, shared, nw = _moe_inputs(1)
+    out = make(rows, shared)
+    before = [t.clone() for t in (rows, shared, out)]
+    with pytest.raises(attnres.ArgumentError, match=re.escape(f"moe_finalize: {message}")):
+        attnres.moe_finalize(rows, weights, index, shared=shared, norm_weight=nw, eps=1e-5, out=out)
+    for b, t in zip(before, (rows, shared, out)):
+        assert torch.equal(b.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_moe_finalize_out_under_compile_equals_eager():
+    torch._dynamo.reset()
+    rows, weights, index, shared, nw = _moe_inputs(2)
+    want = attnres.moe_finalize(rows, weights, index, shared=shared, norm_weight=nw, eps=1e-5)
+    out = torch.empty_like(want)
+
+    def step(rows, weights, index, shared, nw, out):
+        return attnres.moe_finalize(rows, weights, index, shared=shared, norm_weight=nw, eps=1e-5, out=out) + 0
+
+    got = torch.compile(step, fullgraph=True)(rows, weights, index, shared, nw, out)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
