@@ -136,12 +136,10 @@ def moe_finalize(rows, weights, index, *, shared=None, norm_weight=None, eps: fl
         check_index_range(index, rows.shape[0])
     args = (rows, weights, index, as_tensor(shared, OP, "shared"), as_tensor(norm_weight, OP, "norm_weight"),
             float(eps), float(scale), bool(pdl), kernel)
+    if isinstance(out, (tuple, list)) and len(out) == 1:
+        out = out[0]  # the out= tuple of a single result; (None,) allocates, as out=None does
     if out is None:
         return torch.ops.attnres.moe_finalize(*args)
-    if isinstance(out, (tuple, list)) and len(out) == 1:
-        out = out[0]
     out = as_tensor(out, OP, "out")
-    if out is None:
-        raise _argument_error("out", "must be a [T, D] bf16 tensor, got None")
     torch.ops.attnres.moe_finalize.out(*args, output=out)
     return out
