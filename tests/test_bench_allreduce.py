@@ -16,8 +16,8 @@ from conftest import HAS_CUDA, requires_cuda
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
-# Providers per point: fused_one_kernel (design one_kernel) exists for sites add and add2 only.
-PER_T = sum(len(allreduce.PROVIDERS) - (site == "moe_finalize") for site in allreduce.SITES)
+# Providers per point: every site has every provider.
+PER_T = len(allreduce.PROVIDERS) * len(allreduce.SITES)
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,7 @@ def cpu_records():
 
 def test_cpu_records_cover_every_site_token_and_provider(cpu_records):
     keys = sorted((r["site"], r["T"], r["provider"]) for r in cpu_records)
-    assert keys == sorted((s, T, p) for s in allreduce.SITES for T in (1, 2) for p in allreduce.PROVIDERS
-                          if s != "moe_finalize" or p != "fused_one_kernel")
+    assert keys == sorted((s, T, p) for s in allreduce.SITES for T in (1, 2) for p in allreduce.PROVIDERS)
     for r in cpu_records:
         assert r["suite"] == "allreduce" and r["W"] == 2 and r["device"] == "cpu"
         assert r["graph"] is False and r["lower_bound"] is False and r["timer"] == allreduce.TIMER_CPU

@@ -132,11 +132,10 @@ def _assert_every_instance_passes(sass: str, minimum: int = 28) -> None:
 
 @pytest.mark.skipif(_cuda_tool("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.skipif(_cuda_tool("nvdisasm") is None, reason="no nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm wheel)")
-@pytest.mark.parametrize("source,instances", [("attn_res_launch.cu", 100), ("attn_res_mix_add_instances.cu", 20),
-                                              ("all_reduce_attn_res_kernel.cu", 20)])
+@pytest.mark.parametrize("source,instances", [("attn_res_launch.cu", 100), ("attn_res_mix_add_instances.cu", 20)])
 def test_compiled_kernels_pass(tmp_path, source, instances):
     """Compile a file of per-token instances for sm_90 as the library build does and check every instance: the
-    plain ops' launcher, and the one-kernel all-reduce site's EXCHANGE instances."""
+    launcher's (the modes with a norm, and attn_res without an addend) and attn_res with addends'."""
     include = tmp_path / "include" / "attnres"
     include.mkdir(parents=True)
     template = (_REPO / "cpp" / "include" / "attnres" / "version.hpp.in").read_text()

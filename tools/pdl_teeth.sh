@@ -15,7 +15,7 @@ trap 'rm -rf "$work"' EXIT
 
 # The mutation: a release as the first statement of every kernel.
 src=$work/src/cpp/src/cuda
-sed -i 's/^\(    attn_res_per_token_kernel(const __grid_constant__ PerTokenParamsOf<EXCHANGE> p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_per_token.cuh"
+sed -i 's/^\(    attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_per_token.cuh"
 sed -i 's/^\(    attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_persistent.cuh"
 sed -i 's/^\(    attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_stream.cuh"
 sed -i 's/^\(.*moe_finalize_single_cta(const MoeParams p) {\)$/\1\n  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");/' "$src/moe_finalize_kernel.cu"

@@ -123,9 +123,7 @@ tool_opts() {  # $1 tool -> TOOL_OPTS (racecheck and synccheck watch only the li
 # its own, which --target-processes all instruments too). Graph replay and the W processes exchanging IPC
 # handles are in the graph subsets (the caching allocator; the IPC world only at size large: W processes
 # under a sanitizer, time-sliced on one GPU, each spin wait progressing only at a context switch).
-# The one-kernel fused site (test_all_reduce_design.py, whose names the test_all_reduce filter matches too):
-# both designs against the plain op in process, its PDL chain and its fault injection.
-K_ALLREDUCE="(test_all_reduce and ((cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce or designs_equal_the_plain_op)) or pdl_chain_with_plain_ops or pdl_chain_plain_one_kernel or rank_that_never_arrives))"
+K_ALLREDUCE="(test_all_reduce and ((cuda and (contract_bitwise or fused_site_equals or moe_finalize_all_reduce)) or pdl_chain_with_plain_ops or rank_that_never_arrives))"
 # initcheck runs the in-process world with the caching allocator (in the graph step's process), not uncached:
 # the world's ranks exchange only while every rank's kernel runs, so nothing between one rank's launch and the
 # next may wait for the device (tp/communicator.py, InProcessWorld), and under initcheck with
@@ -169,9 +167,9 @@ k_graph() {  # $1 size, $2 tool
   esac
 }
 MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py tests/test_persistent.py
-  tests/test_all_reduce.py tests/test_all_reduce_design.py tests/test_fp8.py)
+  tests/test_all_reduce.py tests/test_fp8.py)
 GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py tests/test_pdl_release.py
-  tests/test_all_reduce.py tests/test_all_reduce_design.py)
+  tests/test_all_reduce.py)
 GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
 # racecheck, synccheck and initcheck run a focused gtest set (every kernel family and mode: decode add, token-major
 # add2, the small padded case with its one-block cluster, PDL/graph determinism, the persistent ring): the full

@@ -52,15 +52,6 @@ AllReducePlan accepted_plan(const DeviceInfo& dev, int64_t width, const AllReduc
 
 }  // namespace
 
-const char* all_reduce_design_name(AllReduceDesign design) {
-  switch (design) {
-    case AllReduceDesign::automatic: return "automatic";
-    case AllReduceDesign::one_kernel: return "one_kernel";
-    case AllReduceDesign::two_kernels: return "two_kernels";
-  }
-  return "unknown";
-}
-
 bool all_reduce_world_supported(int32_t world_size) { return world_size == 2 || world_size == 4 || world_size == 8; }
 
 AllReducePlan plan_all_reduce(const AllReduceQuery& q, const DeviceInfo& dev, const AllReduceOptions& o) {
@@ -110,22 +101,6 @@ void all_reduce(const AllReduceArgs& a, const AllReduceOptions& o) {
 
 namespace {
 
-// Why the one-kernel design cannot run a call both halves of which were accepted; empty when it can. It exists
-// for the per-token kernels (single_cta, split_k) with the bf16 output, the instances of
-// cuda/all_reduce_attn_res_kernel.cu.
-std::string one_kernel_decline(const AllReducePlan& ar_plan, Fp8Scales fp8, const Plan& attn_plan) {
-  if (ar_plan.kernel == KernelKind::cpu) return {};  // the CPU backend: both designs are one computation
-  if (fp8 != Fp8Scales::none)
-    return std::string("the one-kernel design has no FP8 output (fp8 ") + fp8_scales_name(fp8) + ")";
-  if (attn_plan.kernel != KernelKind::split_k && attn_plan.kernel != KernelKind::single_cta)
-    return std::string("the one-kernel design exists for the per-token kernels (split_k, single_cta); the plan "
-                       "chose ") + kernel_name(attn_plan.kernel);
-  if (attn_plan.threads > kSplitKMaxThreads)
-    return "the one-kernel design's one-block instances take blocks of at most " + num(kSplitKMaxThreads) +
-           " threads; the plan's " + kernel_name(attn_plan.kernel) + " block has " + num(attn_plan.threads);
-  return {};
-}
-
 void check_site_addend(const char* op, const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn) {
   const TensorRef& addend = site == AllReduceSite::add ? attn.layer_residual_add : attn.layer_residual_add2;
   const char* addend_name = site == AllReduceSite::add ? "layer_residual_add" : "layer_residual_add2";
@@ -140,30 +115,6 @@ void check_site_addend(const char* op, const AllReduceArgs& ar, AllReduceSite si
 
 }  // namespace
 
-AllReducePlan choose_all_reduce_design(AllReducePlan ar_plan, const Plan& attn_plan, Fp8Scales fp8,
-                                       AllReduceDesign requested, int64_t tokens, int64_t candidates, int64_t hidden,
-                                       int32_t world_size) {
-  if (!ar_plan.accepted()) return ar_plan;
-  if (!attn_plan.accepted()) return declined("attn_res_add_rmsnorm: " + attn_plan.decline);
-  ar_plan.one_kernel_decline = one_kernel_decline(ar_plan, fp8, attn_plan);
-  switch (requested) {
-    case AllReduceDesign::one_kernel:
-      if (!ar_plan.one_kernel_decline.empty()) return declined("design one_kernel: " + ar_plan.one_kernel_decline);
-      ar_plan.design = AllReduceDesign::one_kernel;
-      return ar_plan;
-    case AllReduceDesign::two_kernels:
-      ar_plan.design = AllReduceDesign::two_kernels;
-      return ar_plan;
-    case AllReduceDesign::automatic:
-      ar_plan.design = ar_plan.one_kernel_decline.empty() &&
-                               tuning::automatic_prefers_one_kernel(tokens, candidates, hidden, world_size)
-                           ? AllReduceDesign::one_kernel
-                           : AllReduceDesign::two_kernels;
-      return ar_plan;
-  }
-  return declined("design must be automatic, one_kernel or two_kernels");
-}
-
 namespace {
 
 struct SitePlans {
@@ -175,23 +126,14 @@ SitePlans plan_site(const char* op, const AllReduceArgs& ar, AllReduceSite site,
                     const AllReduceOptions& ar_options, const Options& attn_options, bool require_outputs) {
   if (site != AllReduceSite::add && site != AllReduceSite::add2)
     throw ArgumentError(std::string(op) + ": site must be add or add2");
-  if (ar_options.design != AllReduceDesign::automatic && ar_options.design != AllReduceDesign::one_kernel &&
-      ar_options.design != AllReduceDesign::two_kernels)
-    throw ArgumentError(std::string(op) + ": design must be automatic, one_kernel or two_kernels");
   validate_all_reduce(ar, require_outputs);
   validate(AttnResOp::attn_res_add_rmsnorm, attn, require_outputs);
   check_site_addend(op, ar, site, attn);
   SitePlans s;
   s.ar = plan_all_reduce(ar, ar_options);
   if (!s.ar.accepted()) return s;
-  // The one-kernel design has no streaming instance (cuda/all_reduce_attn_res_kernel.cu): a site that asks for it
-  // plans the per-token kernels without streaming (split_k where the plain op would stream).
-  Options site_options = attn_options;
-  if (ar_options.design == AllReduceDesign::one_kernel) site_options.stream_min_tokens = tuning::kNeverStream;
-  s.attn = plan(AttnResOp::attn_res_add_rmsnorm, attn, site_options);
-  s.ar = choose_all_reduce_design(s.ar, s.attn, attn.fp8, ar_options.design, attn.layer_residual.shape[0],
-                                  attn.block_residual.shape[0] + 1, attn.layer_residual.shape[1],
-                                  ar.comm.world_size);
+  s.attn = plan(AttnResOp::attn_res_add_rmsnorm, attn, attn_options);
+  if (!s.attn.accepted()) s.ar = declined("attn_res_add_rmsnorm: " + s.attn.decline);
   return s;
 }
 
@@ -208,12 +150,6 @@ void all_reduce_attn_res_add_rmsnorm(const AllReduceArgs& ar, AllReduceSite site
   const char* op = "all_reduce_attn_res_add_rmsnorm";
   const SitePlans s = plan_site(op, ar, site, attn, ar_options, attn_options, /*require_outputs=*/true);
   if (!s.ar.accepted()) throw UnsupportedError(std::string(op) + ": " + s.ar.decline);
-  if (s.ar.design == AllReduceDesign::one_kernel && s.ar.kernel != KernelKind::cpu) {
-#if ATTNRES_WITH_CUDA
-    detail::cuda_all_reduce_attn_res(ar, site, attn, s.attn);
-    return;
-#endif
-  }
   launch_all_reduce(ar, s.ar);
   run(AttnResOp::attn_res_add_rmsnorm, attn, attn_options);
 }

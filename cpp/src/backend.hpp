@@ -30,9 +30,6 @@ int cuda_attn_res_persistent_resident(const AttnResArgs& args, const Plan& plan)
 void cuda_moe_finalize(const MoeFinalizeArgs& args, const MoeFinalizePlan& plan);
 // The one-shot exchange (cuda/all_reduce_kernel.cu) and the fused finalize (cuda/moe_finalize_all_reduce_kernel.cu).
 void cuda_all_reduce(const AllReduceArgs& args, const AllReducePlan& plan);
-// Design (a) of the fused site: the EXCHANGE instance of the per-token kernel `plan` chose
-// (cuda/all_reduce_attn_res_kernel.cu).
-void cuda_all_reduce_attn_res(const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn, const Plan& plan);
 void cuda_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, const MoeFinalizePlan& finalize_plan,
                                   const AllReducePlan& plan);
 #endif

@@ -81,11 +81,6 @@ Case run_cpu(const Case& c, const Call& k) {
   return out;
 }
 
-// The prefix a call wrote: `updated`, or layer_residual itself in place.
-std::vector<uint16_t> updated_bits(const Case& c, const Call& k) {
-  return k.in_place ? c.layer_residual.bits() : c.updated.bits();
-}
-
 // Everything an in-place call wrote equals the out-of-place call's, and it wrote nothing else.
 void expect_in_place_equals_out_of_place(const Case& before, const Case& out, const Case& in, const Call& k) {
   const std::string what = std::string(attnres::op_name(k.op)) + (k.add2 ? " add2" : " add");

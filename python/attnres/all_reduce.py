@@ -4,9 +4,8 @@
   every rank the same bits; a real -0.0 in a partial is read as +0.0.
 * `all_reduce_attn_res_add_rmsnorm(comm, partial, prefix, bank, ...)` — the all-reduce into the addend of
   attn_res_add_rmsnorm (site "add": the attention partial; site "add2": the shared-expert partial with the
-  routed part as the first addend, the MoE-tail fold), then that op. design "two_kernels": the one-shot
-  all-reduce kernel, then the plain op, joined by PDL; "one_kernel": the per-token kernel exchanges the partial
-  in place of loading the addend; "auto": the plan picks (the same bits either way).
+  routed part as the first addend, the MoE-tail fold), then that op: the one-shot all-reduce kernel, then the
+  plain op, joined by PDL.
 * `moe_finalize_all_reduce(comm, rows, weights, index, norm_weight, ...)` — the local-route finalize, the
   all-reduce of the latent and the two-rounding latent RMSNorm in one kernel.
 
@@ -38,7 +37,6 @@ from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
 KERNELS = ("auto", "cpu", "single_cta")
 SITES = ("add", "add2")
-DESIGNS = ("auto", "one_kernel", "two_kernels")
 _SPLIT_MAX_TOKENS = _DEFAULT_OPTIONS.split_max_tokens
 
 
@@ -57,14 +55,11 @@ def _comm_ref(state: Tensor, buffers: List[int], world_size: int, rank: int, cap
     return c
 
 
-def _ar_options(pdl: bool, early_trigger: bool, kernel: str, op: str, design: str = "auto") -> _C.AllReduceOptions:
+def _ar_options(pdl: bool, early_trigger: bool, kernel: str, op: str) -> _C.AllReduceOptions:
     if kernel not in KERNELS:
         raise ValueError(f"{op}: kernel must be one of {KERNELS}, got {kernel!r}")
-    if not isinstance(design, str) or design not in DESIGNS:
-        raise _C.ArgumentError(f"{op}: design must be one of {DESIGNS}, got {design!r}")
     o = _C.AllReduceOptions()
     o.pdl, o.early_trigger, o.kernel = bool(pdl), bool(early_trigger), getattr(_C.KernelKind, kernel)
-    o.design = _C.AllReduceDesign.automatic if design == "auto" else getattr(_C.AllReduceDesign, design)
     return o
 
 
@@ -171,11 +166,10 @@ def all_reduce_attn_res_add_rmsnorm_op(
     force_kernel: str = "auto",
     cluster: int = 0,
     early_trigger: bool = True,
-    design: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     op = "all_reduce_attn_res_add_rmsnorm"
     _check_site(op, site, layer_residual_add)
-    ar_options = _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op, design)
+    ar_options = _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op)
     reduced, updated, output, mixture = _fused_outputs(layer_residual, width, return_mixture)
     ar = _C.AllReduceArgs()
     ar.comm = _comm_ref(state, buffers, world_size, rank, capacity, width, timeout_ns)
@@ -224,10 +218,10 @@ def _fused_outputs(layer_residual: Tensor, width: int, return_mixture: bool):
 def _(partial, gathered, state, buffers, world_size, rank, capacity, width, timeout_ns, site, layer_residual,
       layer_residual_add, bank, num_snapshots, snapshot_slot, res_weight, rms_weight, norm_weight, rms_eps, norm_eps,
       return_mixture=False, topology="auto", split_max_tokens=_SPLIT_MAX_TOKENS, pdl=True, force_kernel="auto",
-      cluster=0, early_trigger=True, design="auto"):
+      cluster=0, early_trigger=True):
     op = "all_reduce_attn_res_add_rmsnorm"
     _check_site(op, site, layer_residual_add)
-    _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op, design)
+    _ar_options(pdl, early_trigger, "cpu" if force_kernel == "cpu" else "auto", op)
     checked = _fake_comm(op, state, (buffers, world_size, rank, capacity, width, timeout_ns), partial=partial,
                          gathered=gathered, layer_residual=layer_residual, layer_residual_add=layer_residual_add,
                          bank=bank, res_weight=res_weight, rms_weight=rms_weight, norm_weight=norm_weight)
@@ -321,15 +315,11 @@ def all_reduce_attn_res_add_rmsnorm(comm, partial: Tensor, layer_residual: Tenso
                                     res_weight: Tensor, rms_weight: Tensor, norm_weight: Tensor, rms_eps: float,
                                     norm_eps: float, *, site: str = "add", layer_residual_add: Tensor | None = None,
                                     return_mixture: bool = False, snapshot_slot: int | None = None,
-                                    options: Options | None = None, early_trigger: bool = True,
-                                    design: str = "auto"):
+                                    options: Options | None = None, early_trigger: bool = True):
     """(reduced, updated, output[, mixture]). Site "add": reduced = all_reduce(partial) is the addend,
     updated = prefix + reduced. Site "add2": updated = prefix + (layer_residual_add + reduced), the fold.
-    Then output = RMSNorm(AttnRes(bank, updated)) exactly as attn_res_add_rmsnorm on the same addends.
-    design: "auto" (the plan's choice), "one_kernel" (design a; UnsupportedError naming why where it has no
-    kernel: the persistent topology, a kernel other than split_k / single_cta) or "two_kernels" (design b)."""
+    Then output = RMSNorm(AttnRes(bank, updated)) exactly as attn_res_add_rmsnorm on the same addends."""
     op = "all_reduce_attn_res_add_rmsnorm"
-    _ar_options(True, True, "auto", op, design)  # before the gather: a bad design is rejected on every rank
     opts = options or _DEFAULT_OPTIONS
     gathered = comm.gather(partial, op)
     block = block_residual
@@ -346,7 +336,7 @@ def all_reduce_attn_res_add_rmsnorm(comm, partial: Tensor, layer_residual: Tenso
     reduced, updated, output, mixture = torch.ops.attnres.all_reduce_attn_res_add_rmsnorm(
         partial, gathered, comm.state, comm.buffer_addresses, *comm.op_args(), site, layer_residual,
         layer_residual_add, bank, K, slot, res_weight, rms_weight, norm_weight, float(rms_eps), float(norm_eps),
-        bool(return_mixture), *opts.as_args(), bool(early_trigger), design)
+        bool(return_mixture), *opts.as_args(), bool(early_trigger))
     result = (reduced, updated, output)
     return result + (mixture,) if return_mixture else result
 

@@ -62,17 +62,11 @@ void bind_all_reduce(nb::module_& m) {
           "stream", [](const AllReduceArgs& a) { return reinterpret_cast<uintptr_t>(a.stream); },
           [](AllReduceArgs& a, uintptr_t s) { a.stream = reinterpret_cast<void*>(s); });
 
-  nb::enum_<AllReduceDesign>(m, "AllReduceDesign")
-      .value("automatic", AllReduceDesign::automatic)
-      .value("one_kernel", AllReduceDesign::one_kernel)
-      .value("two_kernels", AllReduceDesign::two_kernels);
-
   nb::class_<AllReduceOptions>(m, "AllReduceOptions")
       .def(nb::init<>())
       .def_rw("pdl", &AllReduceOptions::pdl)
       .def_rw("early_trigger", &AllReduceOptions::early_trigger)
-      .def_rw("kernel", &AllReduceOptions::kernel)
-      .def_rw("design", &AllReduceOptions::design);
+      .def_rw("kernel", &AllReduceOptions::kernel);
 
   nb::class_<AllReducePlan>(m, "AllReducePlan")
       .def_ro("kernel", &AllReducePlan::kernel)
@@ -81,8 +75,6 @@ void bind_all_reduce(nb::module_& m) {
       .def_ro("blocks_per_token", &AllReducePlan::blocks_per_token)
       .def_ro("pdl", &AllReducePlan::pdl)
       .def_ro("early_trigger", &AllReducePlan::early_trigger)
-      .def_ro("design", &AllReducePlan::design)
-      .def_ro("one_kernel_decline", &AllReducePlan::one_kernel_decline)
       .def_prop_ro("accepted", &AllReducePlan::accepted);
 
   nb::enum_<AllReduceSite>(m, "AllReduceSite").value("add", AllReduceSite::add).value("add2", AllReduceSite::add2);

@@ -2,9 +2,7 @@
 //
 //   all_reduce                        reduced = bf16( sum_{r = 0..W-1} f32(partial_r) )   fp32, rank order, one rounding
 //   all_reduce_attn_res_add_rmsnorm   all_reduce into the addend (site add) or the second addend (site add2) of
-//                                     attn_res_add_rmsnorm, then that op: two kernels joined by PDL (design b)
-//                                     or one kernel that exchanges the partial in place of the addend load
-//                                     (design a); the same bits
+//                                     attn_res_add_rmsnorm, then that op: two kernels joined by PDL
 //   moe_finalize_all_reduce           the local-route combine of moe_finalize (no shared, no norm), the all_reduce
 //                                     of that partial, then moe_finalize's two-rounding RMSNorm: one kernel
 //
@@ -66,18 +64,12 @@ struct AllReduceArgs {
   void* stream = nullptr;
 };
 
-// The fused site's design: one_kernel (a) = the per-token kernel exchanges the partial itself; two_kernels (b) =
-// the one-shot all-reduce kernel, then the plain op, joined by PDL. automatic picks by plan_tuning.hpp.
-enum class AllReduceDesign : int32_t { automatic = 0, one_kernel = 1, two_kernels = 2 };
-const char* all_reduce_design_name(AllReduceDesign design);
-
 struct AllReduceOptions {
   bool pdl = true;  // launch with PDL; the kernel waits on the grid dependency before reading the partial
   // Release dependents at the start of the kernel (their griddepcontrol.wait still waits for this kernel to
   // finish): a PDL consumer then issues its independent loads while the exchange runs.
   bool early_trigger = true;
   KernelKind kernel = KernelKind::automatic;  // cpu or single_cta (tests); still validated
-  AllReduceDesign design = AllReduceDesign::automatic;  // all_reduce_attn_res_add_rmsnorm only
 };
 
 struct AllReducePlan {
@@ -86,10 +78,6 @@ struct AllReducePlan {
   int32_t threads = 0;  // per block; each thread owns one 16-byte vector of a token
   int32_t blocks_per_token = 0;
   bool pdl = false, early_trigger = false;
-  // all_reduce_attn_res_add_rmsnorm: the design that runs (one_kernel or two_kernels; automatic when declined),
-  // and why one_kernel cannot run this call (empty when it can).
-  AllReduceDesign design = AllReduceDesign::automatic;
-  std::string one_kernel_decline;
   bool accepted() const { return decline.empty(); }
 };
 
@@ -105,22 +93,16 @@ AllReducePlan plan_all_reduce(const AllReduceQuery& query, const DeviceInfo& dev
 AllReducePlan plan_all_reduce(const AllReduceArgs& args, const AllReduceOptions& options = {});
 void all_reduce(const AllReduceArgs& args, const AllReduceOptions& options = {});
 
-// Design (b): `ar.output` must be exactly the addend the site reduces (site add: attn.layer_residual_add; site
+// The fused site: `ar.output` must be exactly the addend the site reduces (site add: attn.layer_residual_add; site
 // add2: attn.layer_residual_add2). Both calls are validated and planned before anything is launched.
 enum class AllReduceSite : int32_t { add = 0, add2 = 1 };
-// The fused site's plan: the all-reduce's and the attention op's plans must accept; then the design. An explicit
-// one_kernel that cannot run declines naming why (no silent fallback); automatic takes two_kernels then, with
-// the reason in one_kernel_decline. On the CPU both designs are the same computation: either is accepted.
+// The fused site's plan: the all-reduce's and the attention op's plans must accept (a declined half declines the
+// call, naming it).
 AllReducePlan plan_all_reduce_attn_res_add_rmsnorm(const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn,
                                                    const AllReduceOptions& ar_options = {},
                                                    const Options& attn_options = {});
 void all_reduce_attn_res_add_rmsnorm(const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn,
                                      const AllReduceOptions& ar_options = {}, const Options& attn_options = {});
-// Pure: the design step of that plan, from the two halves' plans (a declined half declines the call), the FP8
-// mode, the requested design and the call's shape (T, N candidates, H, W).
-AllReducePlan choose_all_reduce_design(AllReducePlan ar_plan, const Plan& attn_plan, Fp8Scales fp8,
-                                       AllReduceDesign requested, int64_t tokens, int64_t candidates, int64_t hidden,
-                                       int32_t world_size);
 
 // MoE finalize + all-reduce + latent RMSNorm. finalize.norm_weight is required, finalize.shared refused;
 // finalize.output receives the normed latent, `reduced` (optional) the all-reduced latent before the norm.

@@ -1,5 +1,4 @@
-// The one-shot exchange shared by the all-reduce kernels (all_reduce_kernel.cu, moe_finalize_all_reduce_kernel.cu,
-// and the one-kernel fused site: the EXCHANGE instances of attn_res_per_token.cuh, all_reduce_attn_res_kernel.cu).
+// The one-shot exchange shared by the all-reduce kernels (all_reduce_kernel.cu, moe_finalize_all_reduce_kernel.cu).
 //
 // Layout. Every rank owns a region of bf16 elements [3 slots][W sources][capacity + 1 rows][width], initialised
 // to the sentinel -0.0 (0x8000) by the communicator, and a uint32 state [generation, error, arrivals,
@@ -84,12 +83,6 @@ Exchange make_exchange(const CommRef& comm, int64_t tokens, uint32_t total_block
 enum StateWord : int { kGeneration = 0, kError = 1, kArrivals = 2, kTokens0 = 3, kLateSource = 6, kPeerValue = 7,
                        kOwnValue = 8 };
 
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 __device__ __forceinline__ uint32_t load_volatile_u32(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
@@ -117,13 +110,6 @@ __device__ __forceinline__ uint4 load_volatile16(const void* p) {
 __device__ __forceinline__ void store_volatile16(void* p, uint4 v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// A plain coherent 8-byte load (state words 0-1: generation, error), ordered like load16_if.
-__device__ __forceinline__ uint2 load8(const uint32_t* p) {
-  uint2 v;
-  asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p) : "memory");
-  return v;
 }
 
 constexpr uint32_t kSentinelPair = 0x80008000u;
@@ -224,55 +210,6 @@ __device__ __forceinline__ bool exchange_vector(const Exchange& x, uint32_t slot
   }
 }
 
-// Steps 1-2 with W a runtime value (the one-kernel fused site, cuda/attn_res_per_token.cuh EXCHANGE): the
-// same pushes as exchange_vector, then the sources polled one after another in rank order 0..W-1, each
-// accumulated as soon as it is there, so `acc` is sum_in_rank_order's sum (the same adds in the same order)
-// without a got[W] array. Source s's header is checked while its vector is polled, so every peer's header was
-// seen equal to this call's before true is returned (a mismatch writes nothing, as in exchange_vector).
-__device__ __forceinline__ bool exchange_sum_vector(const Exchange& x, uint32_t slot, int64_t token, int vec,
-                                                    uint4 mine, float (&acc)[8]) {
-  mine = without_neg_zero(mine);
-  const uint64_t header = own_header(x);
-  for (int dst = 0; dst < x.world; ++dst) store_volatile16(x.buffers[dst] + slot_offset(x, slot, x.rank, token, vec), mine);
-  if (token == 0 && vec == 0) {
-    for (int dst = 0; dst < x.world; ++dst)
-      if (dst != x.rank) store_volatile_u64(header_ptr(x, x.buffers[dst], slot, x.rank), header);
-  }
-  __nv_bfloat16* own = x.buffers[x.rank];
-  const uint64_t deadline = global_timer_ns() + static_cast<uint64_t>(x.timeout_ns);
-  for (int s = 0; s < x.world; ++s) {
-    bool header_seen = s == x.rank;
-    uint4 v;
-    while (true) {
-      v = load_volatile16(own + slot_offset(x, slot, s, token, vec));
-      const bool arrived = !has_sentinel(v);
-      if (!header_seen) {
-        const uint64_t h = load_volatile_u64(header_ptr(x, own, slot, s));
-        if (h == header) {
-          header_seen = true;
-        } else if (h != kSentinelHeader) {
-          const uint32_t peer_tokens = static_cast<uint32_t>(h), peer_width = static_cast<uint32_t>(h >> 32);
-          if (peer_width != static_cast<uint32_t>(x.width))
-            record_error(x, kAllReduceErrorWidthMismatch, s, peer_width, static_cast<uint32_t>(x.width));
-          else
-            record_error(x, kAllReduceErrorTokenMismatch, s, peer_tokens, static_cast<uint32_t>(x.tokens));
-          return false;
-        }
-      }
-      if (arrived && header_seen) break;
-      if (global_timer_ns() > deadline) {
-        record_error(x, kAllReduceErrorTimeout, s, 0u, static_cast<uint32_t>(x.tokens));
-        return false;
-      }
-    }
-    float f[8];
-    unpack8(v, f);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = s == 0 ? f[e] : add_rn_keep_subnormals(acc[e], f[e]);
-  }
-  return true;
-}
-
 // The contract's sum: fp32 in rank order, one rounding (the caller packs).
 template <int W>
 __device__ __forceinline__ void sum_in_rank_order(const uint4 (&got)[W], float (&acc)[8]) {
@@ -301,20 +238,6 @@ __device__ __forceinline__ void clear_previous(const Exchange& x, uint32_t gener
   if (row0 == 0 && vec == 0) {
 #pragma unroll
     for (int s = 0; s < W; ++s) store_volatile_u64(header_ptr(x, own, slot, s), kSentinelHeader);
-  }
-  __threadfence_system();
-}
-
-// clear_previous with W a runtime value (the one-kernel fused site).
-__device__ __forceinline__ void clear_previous_any_world(const Exchange& x, uint32_t generation, int64_t row0,
-                                                         int64_t step, int vec) {
-  const uint32_t slot = (generation + 2u) % 3u;
-  const int64_t rows = static_cast<int64_t>(load_volatile_u32(x.state + kTokens0 + slot));
-  __nv_bfloat16* own = x.buffers[x.rank];
-  for (int64_t t = row0; t < rows; t += step)
-    for (int s = 0; s < x.world; ++s) store_volatile16(own + slot_offset(x, slot, s, t, vec), kSentinel4);
-  if (row0 == 0 && vec == 0) {
-    for (int s = 0; s < x.world; ++s) store_volatile_u64(header_ptr(x, own, slot, s), kSentinelHeader);
   }
   __threadfence_system();
 }

@@ -61,8 +61,7 @@ struct PerTokenParams {
   int32_t fp8_pow2;  // 1: power-of-two scales
 };
 
-// The parameters of a validated per-token call under `plan` (cuda/attn_res_launch.cu); the one-kernel fused
-// all-reduce site (cuda/all_reduce_attn_res_kernel.cu) extends them.
+// The parameters of a validated per-token call under `plan` (cuda/attn_res_launch.cu).
 PerTokenParams make_per_token_params(const AttnResArgs& args, const Plan& plan);
 
 // The mode of a validated call.

@@ -44,10 +44,8 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "attnres/limits.hpp"
-#include "cuda/all_reduce_protocol.cuh"
 #include "cuda/attn_res_params.cuh"
 #include "cuda/attn_res_steps.cuh"
 #include "cuda/device_utils.cuh"
@@ -63,17 +61,6 @@ constexpr int kSplitKMaxThreads = static_cast<int>(attnres::kSplitKMaxThreads);
 // A one-block launch gives each of split_k's rank chunks (<= 128 vectors: plan_tuning.hpp) this many threads.
 constexpr int kChunkThreads = static_cast<int>(tuning::kSplitKBlockVectors);
 constexpr int kChunkWarps = kChunkThreads / 32;
-
-// The EXCHANGE instances (the one-kernel fused all-reduce site, docs/ops/all_reduce.md): the plain parameters
-// plus the communicator, this rank's partial and the reduced sum's output.
-struct PerTokenExchangeParams : PerTokenParams {
-  Exchange x;
-  const __nv_bfloat16* partial;  // [T, H]: this rank's partial (written by the kernel before this one)
-  __nv_bfloat16* reduced;        // [T, H]: the all-reduced sum, the site's addend
-  int64_t partial_stride, reduced_stride;
-};
-template <bool EXCHANGE>
-using PerTokenParamsOf = std::conditional_t<EXCHANGE, PerTokenExchangeParams, PerTokenParams>;
 
 // sum_{i < count} base[i * stride] in index order (warps of a block, or ranks of a cluster); the loads are
 // issued together (unrolled to MAX, clamped index, masked add: adding +0 to a sum that started at +0 changes
@@ -126,11 +113,10 @@ __device__ __forceinline__ void push_to_rank(const float* recv_slot, uint64_t* b
   st_async_f32(map_to_rank(shared_address(recv_slot), r), value, map_to_rank(shared_address(bar), r));
 }
 // The same into every block of the cluster, one after the other. A value that one thread holds goes this way;
-// a value every thread holds (the norm's block sum of squares, the FP8 per-token amax, EXCHANGE's "ok") is pushed
-// by threads 0..ranks-1, one rank each: measured 0.04-0.12 us faster at T = 1..32 (add2, H = 7168, N = 2..12, cold
-// L2) and 0.017-0.032 ms per 93-layer decode step than one thread pushing to every rank. Spreading the candidates'
-// pushes the same way (one (value, rank) pair per thread) measured 0.02-0.15 us slower than this loop
-// (bench_results/h200_00603a9_push_ab.txt).
+// a value every thread holds (the norm's block sum of squares, the FP8 per-token amax) is pushed
+// by threads 0..ranks-1, one rank each, which measured faster than one thread pushing to every rank; the
+// candidates' values keep this loop, which measured faster than one (value, rank) pair per thread
+// (docs/performance.md).
 __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* bar, float value, int ranks) {
   for (int r = 0; r < ranks; ++r) push_to_rank(recv_slot, bar, value, r);
 }
@@ -147,9 +133,8 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
   const uint32_t mine = valid ? amax_bits8(out) : 0u;
   uint32_t amax;
   if constexpr (FP8 == Fp8Mode::per_token) {
-    // The block's maximum first, then one push per rank: every warp pushing its maximum to every rank instead
-    // (no barrier) measured 0.04-0.08 us slower at T <= 8, each block then receiving ranks x warps single-word
-    // pushes (bench_results/h200_254fca4_fp8_noselect_ab.txt).
+    // The block's maximum first, then one push per rank: fewer single-word pushes per block than every warp
+    // pushing to every rank, which measured slower (docs/performance.md).
     const uint32_t w = warp_max_u32(mine);
     if (lane == 0) warp_amax[warp] = w;
     __syncthreads();
@@ -232,28 +217,14 @@ constexpr int kMaxThreadsOf = CLUSTER || NMAX > 4 ? kSplitKMaxThreads : kSingleC
 
 // FP8: the e4m3 epilogue after the trailing norm (norm modes only), a compile-time variant so the bf16-only
 // instances carry none of it.
-// EXCHANGE: the one-kernel fused all-reduce site (modes add and add2, no FP8). After the grid-dependency wait
-// the site's addend (add: p.add; add2: p.add2) is not loaded: each thread exchanges its vector of this rank's
-// partial through the communicator (cuda/all_reduce_protocol.cuh: push to every rank's slot g % 3, poll every
-// source in rank order, fp32 sum, one rounding: all_reduce's bits) and uses the reduced vector instead; from
-// there on the instructions are the plain op's, so the bits are design (b)'s. Failure rule: a block whose
-// exchange failed (a peer timed out or was called with another T, or the communicator was already broken)
-// still runs all its arithmetic and cluster exchanges (its peers wait on its pushes), but the cluster's "ok"
-// (every thread of every block of the token's cluster exchanged) gates every global store: reduced, updated,
-// snapshot, mixture and output. Each block then clears the previous slot's rows of its vectors and counts
-// itself (end_call over the whole grid); a block that found the communicator broken touches no slot.
-// The EXCHANGE instances are built for split_k's blocks of <= 256 threads only: at single_cta's 1024 the
-// exchange's registers spilled loaded values before the last post-wait load (tools/sass_check.py), so the plan
-// refuses the one-kernel design for single_cta blocks above 256 threads.
-template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none, bool EXCHANGE = false>
-__global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>)
-    attn_res_per_token_kernel(const __grid_constant__ PerTokenParamsOf<EXCHANGE> p) {
+template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none>
+__global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
+    attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
   namespace cg = cooperative_groups;
   constexpr bool kNorm = mode_has_norm(MODE);
   constexpr bool kAdd = mode_has_add(MODE);
-  constexpr int kMaxWarps = (EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<NMAX, CLUSTER>) / 32;
+  constexpr int kMaxWarps = kMaxThreadsOf<NMAX, CLUSTER> / 32;
   constexpr int kRanks = CLUSTER ? kMaxClusterRanks : 1;
-  static_assert(!EXCHANGE || (kAdd && FP8 == Fp8Mode::none), "the fused all-reduce site: modes add/add2, bf16");
 
   __shared__ float warp_part[kMaxWarps][2 * NMAX];  // per warp: (sumsq, dot) per candidate
   __shared__ float totals[2 * NMAX];                // the token's sums
@@ -262,7 +233,6 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   __shared__ float recv_part[kRanks][2 * NMAX];     // split_k: every block's (sumsq, dot), by rank
   __shared__ float recv_sq[kRanks];                 // split_k: every block's mixture sum of squares
   __shared__ alignas(8) uint64_t bars[2];           // split_k: completion of the two exchanges
-  __shared__ float recv_ok[EXCHANGE ? kRanks : 1];  // EXCHANGE split_k: every block's "exchanged", by rank
   constexpr bool kFp8 = FP8 != Fp8Mode::none;
   static_assert(!kFp8 || kNorm, "attn_res has no normed output to quantize");
   // FP8: per-warp amax (per_token), per-thread amax (block128 groups that do not align with warps), what the
@@ -325,26 +295,22 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
   // its width), so the bits are those of one reduction of all 2N values.
   constexpr int kValues = 2 * NMAX;      // warp_part's and recv_part's row: (sumsq, dot) per candidate
   constexpr int kEarly = NMAX - 2;       // rows loaded before the wait: n <= K - 2 <= NMAX - 3
-  // The bucket of 2 (N <= 2) has no row to reduce early and keeps one phase: the two-phase code (its barrier
-  // and reordering) measured 0.08-0.12 us slower there (add, add2 at T = 1, N = 2 on the H200), 0.3 us faster
-  // at N = 5 and 9 (bench_results/h200_383ccea_ab.json). The EXCHANGE instances keep one phase too: there the
-  // early phase ran before this rank's partial was pushed to its peers, and the one-kernel site measured
-  // 7.39 us at T = 1 against 7.24 us with one phase (bench_results/h200_b430bf0_allreduce.json,
-  // bench_results/h200_f25619c_allreduce.json).
-  constexpr bool kTwoPhases = kEarly > 0 && !EXCHANGE;
+  // The bucket of 2 (N <= 2) has no row to reduce early and keeps one phase: there the two-phase code (its
+  // barrier and reordering) measured slower, at N = 5 and 9 faster (docs/performance.md).
+  constexpr bool kTwoPhases = kEarly > 0;
   const int early_values = kTwoPhases ? 2 * (K - 1) : 0;  // values 0 .. early_values - 1: the early phase's
   // A cluster of one block (split_k at H <= 1024) is launched as the CLUSTER = false instance
-  // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck,
-  // 2026-11-30). The bits are the same: chunked_sum adds its chunks' sums to +0 exactly as the cluster's
-  // rank-ordered sum does. A compile-time choice, not a runtime `ranks > 1` test: with both paths in
-  // every cluster instance (f1f44fe) the exchanges' SASS grew by 60-80 instructions and 3-5 branches.
+  // (cuda_attn_res): st.async into a cluster of one block is invalid (compute-sanitizer memcheck reports it).
+  // The bits are the same: chunked_sum adds its chunks' sums to +0 exactly as the cluster's rank-ordered sum
+  // does. A compile-time choice, not a runtime `ranks > 1` test, which would put both paths (more instructions
+  // and branches) into every cluster instance.
   constexpr bool exchange = CLUSTER;
   // Before the first push: every peer's mbarriers are initialised (pairs with the arrive), and this block's
-  // exchange mbarrier expects every rank's values of both phases (EXCHANGE: and its "ok").
+  // exchange mbarrier expects every rank's values of both phases.
   auto begin_exchange = [&] {
     cluster_wait();
     if (tid == 0)
-      mbarrier_expect_tx(shared_address(&bars[0]), ranks * (2 * N + (EXCHANGE ? 1 : 0)) * sizeof(float));
+      mbarrier_expect_tx(shared_address(&bars[0]), ranks * (2 * N) * sizeof(float));
   };
   // A value's sum over the block's warps, in order (what a block pushes to its cluster's peers).
   const auto block_sum = [&](int i) { return ordered_sum<kMaxWarps>(&warp_part[0][i], kValues, warps); };
@@ -388,54 +354,19 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 
   // ---- the prefix, the addends and the newest bank row: what the step's previous kernel may have written ----
   // One DRAM round trip for all four, which needs every load issued before any loaded value is used. ptxas
-  // schedules that, not the source order: with the newest row loaded first, CUDA 13.0's ptxas placed its OR
-  // merge (below) before computing the later loads' addresses in some instances, which then left a round trip
-  // later (found bisecting a T = 1 add2 regression on the H200 with tools/ab_commits.sh: N = 2 2.97 -> 3.48 us
-  // at 6a81f52, together with the exp branches below). The newest row goes last, so the merge cannot start
-  // before every load is out; tools/sass_check.py checks every instance's SASS.
+  // schedules that, not the source order: with the newest row loaded first, ptxas placed its OR merge (below)
+  // before computing the later loads' addresses in some instances, a second round trip. The newest row goes
+  // last, so the merge cannot start before every load is out; tools/sass_check.py checks every instance's SASS.
   uint4 prefix = load16_if(prefix_row, valid);
   uint4 add = make_uint4(0, 0, 0, 0), add2 = make_uint4(0, 0, 0, 0);
-  if constexpr (kAdd && !EXCHANGE) {
+  if constexpr (kAdd) {
     add = load16_if(p.add + token * p.add_stride + col, valid);
     add2 = load16_if(p.add2 + token * p.add2_stride + col, mode_has_add2(MODE) && valid);
   }
-  if constexpr (EXCHANGE && MODE == Mode::add2) add = load16_if(p.add + token * p.add_stride + col, valid);
   const uint4 newest = load16_if(bank_row0 + (K - 1) * p.bank_snapshot_stride, valid && K >= 1);
-  // The barrier closes the load window (EXCHANGE: after the partial's load, below).
-  if constexpr (!EXCHANGE) {
-    if constexpr (kTwoPhases) early_phase(static_cast<uint32_t>(__syncthreads_count(0)));
-    else early_phase(0u);
-  }
-  // EXCHANGE: `stores` gates every global store (the failure rule above); a constant true otherwise.
-  bool stores = true;
-  [[maybe_unused]] uint32_t generation = 0;
-  [[maybe_unused]] bool begun = false;
-  [[maybe_unused]] uint4 reduced = make_uint4(0, 0, 0, 0);
-  if constexpr (EXCHANGE) {
-    // The partial is issued with the other post-wait loads, which the barrier closes: ptxas neither sinks a
-    // load below it nor hoists the state's load above it, so every load is out before any loaded value is
-    // used (tools/sass_check.py reads the window up to this barrier). With the state loaded among them, ptxas
-    // put its load first and its test before the data loads: two round trips. Issued right after the
-    // barrier, the state's round trip overlaps the data loads'. Plain coherent loads: the previous call's
-    // kernel wrote the state before this grid's wait returned; an error word set meanwhile by another block
-    // only means this thread's exchange goes ahead (the failure is caught by the exchange's own checks).
-    const uint4 mine = load16_if(p.partial + token * p.partial_stride + col, valid);
-    uint32_t zero = 0;
-    if constexpr (kTwoPhases) zero = static_cast<uint32_t>(__syncthreads_count(0));
-    else __syncthreads();
-    const uint2 state = load8(p.x.state + kGeneration);
-    early_phase(zero);  // after the state's load, which the exchange's first test waits for
-    generation = state.x;
-    begun = state.y == 0u;  // per thread: a block whose threads disagree writes nothing (its "ok" is false)
-    stores = begun;
-    if (begun && valid) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      stores = exchange_sum_vector(p.x, generation % 3u, token, vec, mine, acc);
-      reduced = pack8(acc);
-    }
-    if constexpr (MODE == Mode::add) add = reduced;
-    else add2 = reduced;
-  }
+  // The barrier closes the load window.
+  if constexpr (kTwoPhases) early_phase(static_cast<uint32_t>(__syncthreads_count(0)));
+  else early_phase(0u);
   // rows[K-1] is still zero (its pre-wait load was predicated off): OR merges without a branch. (The early
   // phase above read rows 0..K-2 only.)
 #pragma unroll
@@ -444,10 +375,8 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
       rows[n] = make_uint4(rows[n].x | newest.x, rows[n].y | newest.y, rows[n].z | newest.z, rows[n].w | newest.w);
   if constexpr (kAdd) {
     prefix = add_to_prefix<MODE>(prefix, add, add2);
-    if constexpr (!EXCHANGE) {
-      if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
-      if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
-    }
+    if (valid && p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
+    if (valid && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
   }
 
   // ---- the late phase of the candidates' reduction: the newest row and P, then the token's totals ----
@@ -477,34 +406,18 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     const int index = lane / kLanesPerValue;
     if (lane % kLanesPerValue == 0 && index < kValues) warp_part[warp][index] = sum;
   }
-  if constexpr (EXCHANGE) stores = __syncthreads_and(stores) != 0;  // the block's "ok"
-  else __syncthreads();
+  __syncthreads();
   const bool late_value = tid >= early_values && tid < 2 * N;
   if constexpr (exchange) {
     if constexpr (!kTwoPhases) begin_exchange();
-    // EXCHANGE: the block's "ok" travels with its partial sums, on the same mbarrier.
-    if constexpr (EXCHANGE) {
-      if (tid < ranks) push_to_rank(&recv_ok[rank], &bars[0], stores ? 1.0f : 0.0f, tid);
-    }
     // Two phases: the late values are the newest row's and P's (2(K-1) .. 2K+1; 0, 1 when K = 0).
     if (late_value) push_to_ranks(&recv_part[rank][tid], &bars[0], block_sum(tid), ranks);
     mbarrier_wait_parity(shared_address(&bars[0]), 0);
     if (tid < 2 * N) totals[tid] = ordered_sum<kMaxClusterRanks>(&recv_part[0][tid], kValues, ranks);
-    if constexpr (EXCHANGE) {
-      for (int r = 0; r < ranks; ++r) stores = stores && recv_ok[r] != 0.0f;  // the cluster's "ok"
-    }
   } else {
     if (late_value) totals[tid] = chunked_sum<kMaxWarps>(&warp_part[0][tid], kValues, warps);
   }
   __syncthreads();
-  if constexpr (EXCHANGE) {
-    // The stores the plain op issues right after the addition, deferred until the cluster's "ok" is known.
-    if (valid && stores) {
-      if (p.reduced) store16(p.reduced + token * p.reduced_stride + col, reduced);
-      if (p.updated) store16(p.updated + token * p.updated_stride + col, prefix);
-      if (p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col, prefix);
-    }
-  }
   if constexpr (!kAdd) {
     // The snapshot write without an addend: the row is layer_residual itself. After the load window (the
     // post-wait loads stay together, tools/sass_check.py), before the mixture.
@@ -539,7 +452,7 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     if constexpr (!kNorm) {
       store16(p.output + token * p.output_stride + col, mixed);
     } else {
-      if (p.mixture && stores) store16(p.mixture + token * p.mixture_stride + col, mixed);
+      if (p.mixture) store16(p.mixture + token * p.mixture_stride + col, mixed);
     }
   }
 
@@ -565,17 +478,10 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
     uint4 out = make_uint4(0, 0, 0, 0);
     if (valid) {
       out = rms_output8(mix, total, p.inv_hidden, p.norm_eps, norm_w);
-      if (stores) store16(p.output + token * p.output_stride + col, out);
+      store16(p.output + token * p.output_stride + col, out);
     }
     if constexpr (kFp8) fp8_epilogue<FP8, CLUSTER, kMaxWarps>(p, out, valid, token, vec, rank, ranks, tid, lane, warp,
                                                               warps, fp8_warp_amax, fp8_thread_amax, fp8_recv, &fp8_bar);
-  }
-
-  if constexpr (EXCHANGE) {
-    // Steps 3-4 of the protocol, after the outputs (off the critical path): clear the previous call's rows of
-    // this thread's vector, then count the block unless every thread found the communicator broken.
-    if (begun && valid) clear_previous_any_world(p.x, generation, token, p.x.tokens, vec);
-    if (__syncthreads_or(begun)) end_call(p.x, generation);
   }
 
   // No cluster barrier before exit: every push into this block's shared memory completed before its
@@ -584,17 +490,16 @@ __global__ void __launch_bounds__(EXCHANGE ? kSplitKMaxThreads : kMaxThreadsOf<N
 
 // The instance for N bucket `max_candidates` (nullptr for none), one case per entry of kCandidateBuckets
 // (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. Used by the
-// plain op's launcher (cuda/attn_res_launch.cu) and the one-kernel all-reduce site's (EXCHANGE,
-// cuda/all_reduce_attn_res_kernel.cu).
-template <Mode M, bool CLUSTER, Fp8Mode F, bool EXCHANGE = false>
-auto per_token_instance(int max_candidates) -> void (*)(PerTokenParamsOf<EXCHANGE>) {
+// per-token launchers (cuda/attn_res_launch.cu, cuda/attn_res_mix_add_instances.cu).
+template <Mode M, bool CLUSTER, Fp8Mode F>
+auto per_token_instance(int max_candidates) -> void (*)(PerTokenParams) {
   static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
   switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F, EXCHANGE>;
-    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F, EXCHANGE>;
+    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>;
+    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F>;
+    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F>;
+    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F>;
+    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F>;
     default: return nullptr;
   }
 }

@@ -122,11 +122,6 @@ __device__ __forceinline__ bool try_wait_parity(uint32_t bar, uint32_t parity) {
       : "memory");
   return done != 0;
 }
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 // Every wait of this kernel is on data already in flight or on another warp of the same block that is not
 // waiting on anything outside the block (the grid dependency is resolved before the first wait that could
 // depend on it): none legitimately lasts more than microseconds. One that has not completed after

@@ -50,8 +50,7 @@ __device__ __forceinline__ void candidate_softmax(const float* totals, int N, fl
     // Past N the probability is exp(-inf) = 0 by selecting the argument, not by exp(logit - max): with no
     // finite logit max stays -inf (fmaxf drops NaN) and exp(-inf + inf) would be NaN. The argument, not the
     // result, is selected so every exp is issued unconditionally: `n < N ? __expf(..) : 0` became a branch
-    // around each MUFU.EX2 (serialised exps; at 6a81f52 T = 1 add2 N = 9 went 3.48 -> 3.87 us on the H200;
-    // tools/sass_check.py checks every instance).
+    // around each MUFU.EX2, which serialised the exps (tools/sass_check.py checks every instance).
     prob[n] = __expf(n < N ? logit[n] - max_logit : -INFINITY);
     denom += prob[n];
   }

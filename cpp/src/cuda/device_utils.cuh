@@ -175,4 +175,12 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+// The global nanosecond timer (%globaltimer): the deadlines of the all-reduce exchange and the persistent
+// kernel's watchdog.
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 }  // namespace attnres::detail

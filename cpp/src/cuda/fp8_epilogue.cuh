@@ -27,8 +27,7 @@ __device__ __forceinline__ uint32_t warp_max_u32(uint32_t v) { return __reduce_m
 // Max over aligned groups of 16 lanes (one 128-column group of 16 vectors; `lane` is the caller's lane): two
 // whole-warp reductions, each over one half's values with the other half's as 0 (which changes no max), issued
 // back to back; each lane takes its half's. The same bits as a butterfly of four shuffles, whose steps run one
-// after the other on every thread's critical path (-0.03 us at T = 1, N = 2, level at N = 9:
-// bench_results/h200_7664bd7_fp8_redux_ab.txt).
+// after the other on every thread's critical path (docs/performance.md).
 __device__ __forceinline__ uint32_t half_warp_max_u32(uint32_t v, int lane) {
   const bool upper = lane >= 16;
   const uint32_t lower_max = __reduce_max_sync(0xffffffffu, upper ? 0u : v);
@@ -92,9 +91,8 @@ __device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
 
 // The 8 codes of the 8 bf16 values of `v` with scale s, as one 8-byte word (element 0 in the lowest byte):
 // e4m3(clamp(x / s)), for every scale fp8_scale makes (finite, exact or a power of two: IEEE division; inf: +-0,
-// NaN for an infinite x; NaN: NaN), by one path of three operations per value (fp8_divisor, fp8_quotient): against
-// per-value selects for the non-finite scales, copysign and NaN fixups after the conversion, -0.06..-0.10 us per
-// FP8 op at T = 1..32 (bench_results/h200_254fca4_fp8_noselect_ab.txt).
+// NaN for an infinite x; NaN: NaN), by one path of three operations per value (fp8_divisor, fp8_quotient), with
+// no per-value selects for the non-finite scales nor fixups after the conversion (docs/performance.md).
 __device__ __forceinline__ uint2 fp8_codes8(uint4 v, float s) {
   const uint32_t w[4] = {v.x, v.y, v.z, v.w};
   const Fp8Divisor d = fp8_divisor(s);

@@ -14,6 +14,7 @@
 #include "cuda/all_reduce_protocol.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch_utils.hpp"
+#include "cuda/moe_combine.cuh"
 #include "cuda/moe_norm.cuh"
 
 namespace attnres::detail {
@@ -96,37 +97,8 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_all_reduce(const Fus
 
   // 1. The local-route partial.
   float acc[VPT][8];
-#pragma unroll
-  for (int u = 0; u < VPT; ++u)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-  for (int j0 = 0; j0 < p.routes; j0 += CHUNK) {
-    uint4 v[CHUNK][VPT];
-#pragma unroll
-    for (int c = 0; c < CHUNK; ++c) {
-      const int32_t r = s_index[j0 + c];
-#pragma unroll
-      for (int u = 0; u < VPT; ++u) {
-        const int vec = tid + u * blockDim.x;
-        v[c][u] = load16_if(reinterpret_cast<const __nv_bfloat16*>(p.rows + static_cast<int64_t>(r < 0 ? 0 : r) * p.rows_stride) +
-                                static_cast<int64_t>(vec) * 8,
-                            r >= 0 && vec < p.vectors);
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < CHUNK; ++c) {
-      if (s_index[j0 + c] < 0) continue;  // remote expert (or past k): skipped, not added as zero
-      const float w = s_weight[j0 + c];
-#pragma unroll
-      for (int u = 0; u < VPT; ++u)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t xv = word(v[c][u], i);
-          acc[u][2 * i] = add_rn_keep_subnormals(acc[u][2 * i], mul_rn(w, lo(xv)));
-          acc[u][2 * i + 1] = add_rn_keep_subnormals(acc[u][2 * i + 1], mul_rn(w, hi(xv)));
-        }
-    }
-  }
+  moe_combine_routes<VPT, CHUNK>(acc, p.rows, p.rows_stride, s_index, s_weight, p.routes, p.vectors, tid,
+                                 blockDim.x);
 
   // 2. Exchange and reduce; x holds the reduced latent (bf16).
   uint4 x[VPT];

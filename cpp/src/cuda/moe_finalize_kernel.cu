@@ -4,7 +4,7 @@
 //  1. issues the loads that depend on nothing (the shared row, the norm weight) together with the route map
 //     (index and weights, read by warp 0 into shared memory): one round trip;
 //  2. issues route_chunk routes' 16-byte row slices per thread before using any (k <= route_chunk: one more
-//     round trip), then accumulates them in j order;
+//     round trip), then accumulates them in j order (cuda/moe_combine.cuh, shared with moe_finalize_all_reduce);
 //  3. with a norm, the two-rounding RMSNorm of cuda/moe_norm.cuh (the sum of squares in a fixed order: warp
 //     butterfly, warps in index order), shared with moe_finalize_all_reduce.
 //
@@ -28,6 +28,7 @@
 #include "cuda/cuda_check.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/launch_utils.hpp"
+#include "cuda/moe_combine.cuh"
 #include "cuda/moe_norm.cuh"
 
 namespace attnres::detail {
@@ -125,38 +126,8 @@ __global__ void __launch_bounds__(kMaxThreads) moe_finalize_single_cta(const Moe
   }
 
   float acc[VPT][8];
-#pragma unroll
-  for (int u = 0; u < VPT; ++u)
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
-
-  for (int j0 = 0; j0 < p.routes; j0 += CHUNK) {
-    uint4 v[CHUNK][VPT];
-#pragma unroll
-    for (int c = 0; c < CHUNK; ++c) {
-      const int32_t r = s_index[j0 + c];  // -1 past k (CHUNK divides 32)
-#pragma unroll
-      for (int u = 0; u < VPT; ++u) {
-        const int vec = tid + u * blockDim.x;
-        v[c][u] = make_uint4(0, 0, 0, 0);
-        if (r >= 0 && vec < p.vectors)
-          v[c][u] = __ldg(reinterpret_cast<const uint4*>(p.rows + static_cast<int64_t>(r) * p.rows_stride) + vec);
-      }
-    }
-#pragma unroll
-    for (int c = 0; c < CHUNK; ++c) {
-      if (s_index[j0 + c] < 0) continue;  // remote expert (or past k): skipped, not added as zero
-      const float w = s_weight[j0 + c];
-#pragma unroll
-      for (int u = 0; u < VPT; ++u)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint32_t x = word(v[c][u], i);
-          acc[u][2 * i] = add_rn_keep_subnormals(acc[u][2 * i], mul_rn(w, lo(x)));
-          acc[u][2 * i + 1] = add_rn_keep_subnormals(acc[u][2 * i + 1], mul_rn(w, hi(x)));
-        }
-    }
-  }
+  moe_combine_routes<VPT, CHUNK>(acc, p.rows, p.rows_stride, s_index, s_weight, p.routes, p.vectors, tid,
+                                 blockDim.x);
 
   // routed = bf16(scale * acc); x = bf16(routed + shared).
   uint4 x[VPT];

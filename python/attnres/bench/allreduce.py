@@ -8,9 +8,8 @@ peers' buffers in the same GPU's memory. Per site and T, these variants, each ca
 * all_reduce  the standalone one-shot all_reduce alone;
 * unfused     the standalone one-shot all_reduce, then the plain op on the reduced sum (two launches; three for
               the MoE finalize: the local combine, the all_reduce, the norm);
-* fused       all_reduce_attn_res_add_rmsnorm (site add / add2; design two_kernels: two kernels joined by
-              PDL) or moe_finalize_all_reduce (one kernel);
-* fused_one_kernel  (sites add / add2 only) all_reduce_attn_res_add_rmsnorm with design one_kernel.
+* fused       all_reduce_attn_res_add_rmsnorm (site add / add2: two kernels joined by PDL) or
+              moe_finalize_all_reduce (one kernel).
 
 Shapes: Kimi K3's sites, H = 7168 with N = 9 candidates (8 bank rows), and its MoE latent, D = 3584 with k = 16
 routes, at T in {1, 4, 8, 32} (the MoE finalize at T = 1..32: its token gate's A/B; MAX_TOKENS_ONE_GPU says
@@ -58,7 +57,7 @@ SITE_H, SITE_N = 7168, 9
 MOE_D, MOE_K = 3584, 16
 CPU_SHAPE = {"H": 64, "N": 3, "D": 64, "k": 4}
 SITES = ("add", "add2", "moe_finalize")
-PROVIDERS = ("plain", "all_reduce", "unfused", "fused", "fused_one_kernel")
+PROVIDERS = ("plain", "all_reduce", "unfused", "fused")
 MOE_SCALE = 2.827
 TIMER_GRAPH = "cuda_graph_events"
 TIMER_CPU = "cpu_eager_perf_counter"
@@ -127,10 +126,9 @@ def _site_calls(site: str, ranks: list) -> dict[str, Variant]:
             return attnres.attn_res_add_rmsnorm(s.prefix, addend, s.bank, *weights(s))
         return attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *weights(s), layer_residual_add2=addend)
 
-    def fused(c, s, design="two_kernels"):
+    def fused(c, s):
         return all_reduce_attn_res_add_rmsnorm(c, s.shared, s.prefix, s.bank, *weights(s), site=site,
-                                               layer_residual_add=s.routed if site == "add2" else None,
-                                               design=design)
+                                               layer_residual_add=s.routed if site == "add2" else None)
 
     def unfused(c, s):
         reduced = all_reduce(c, s.shared)
@@ -141,7 +139,6 @@ def _site_calls(site: str, ranks: list) -> dict[str, Variant]:
         "all_reduce": Variant(lambda c, s: all_reduce(c, s.shared), ranks, partials),
         "unfused": Variant(unfused, ranks, partials),
         "fused": Variant(fused, ranks, partials),
-        "fused_one_kernel": Variant(lambda c, s: fused(c, s, "one_kernel"), ranks, partials),
     }
 
 
@@ -244,8 +241,8 @@ def _point(site: str, T: int, world: InProcessWorld, shape: dict, repeats: int, 
         flat = make_sets(T, N, H, count * W, seed=100 * T + (site == "add2"), device=device)
         call_sets = [_site_calls(site, flat[i * W:(i + 1) * W]) for i in range(count)]
         shape_keys = {"H": H, "N": N}
-    names = [n for n in PROVIDERS if n in call_sets[0]]  # fused_one_kernel: sites add / add2 only
-    fused_names = [n for n in ("fused", "fused_one_kernel") if n in names]
+    names = [n for n in PROVIDERS if n in call_sets[0]]
+    fused_names = ["fused"]
     if device == "cuda":
         replays, outs = {}, {}
         for name in names:
@@ -309,7 +306,7 @@ def run(tokens=TOKENS, device: str = "cuda", repeats: int = 25, progress=None, s
 
 
 def summary(records: list[dict]) -> list[str]:
-    """A short table: per site and T the medians (us; fused1k: design one_kernel, sites add / add2), the
+    """A short table: per site and T the medians (us), the
     epilogue's cost over the plain op (fused - plain) and the fusion's saving (unfused - fused)."""
     by_point: dict = {}
     for r in records:
@@ -319,16 +316,15 @@ def summary(records: list[dict]) -> list[str]:
         return []
     graph = any(r["graph"] for p in by_point.values() for r in p.values())
     lines = [f"allreduce ({LOWER_BOUND if graph else CPU_NOTE}); median us per site",
-             f"{'site':<13}{'T':>3}{'plain':>9}{'all_red':>9}{'unfused':>9}{'fused':>9}{'fused1k':>9}"
+             f"{'site':<13}{'T':>3}{'plain':>9}{'all_red':>9}{'unfused':>9}{'fused':>9}"
              f"{'fused-plain':>13}{'unfused-fused':>15}  bitwise"]
     order = {s: i for i, s in enumerate(SITES)}
     for (device, site, T), p in sorted(by_point.items(), key=lambda kv: (kv[0][0], order.get(kv[0][1], 9), kv[0][2])):
         if any(name not in p for name in PROVIDERS[:4]):
             continue
         m = {name: p[name]["median_us"] for name in PROVIDERS if name in p}
-        one = f"{m['fused_one_kernel']:>9.2f}" if "fused_one_kernel" in m else f"{'-':>9}"
         lines.append(f"{site:<13}{T:>3}{m['plain']:>9.2f}{m['all_reduce']:>9.2f}{m['unfused']:>9.2f}"
-                     f"{m['fused']:>9.2f}{one}{m['fused'] - m['plain']:>+13.2f}{m['unfused'] - m['fused']:>+15.2f}  "
+                     f"{m['fused']:>9.2f}{m['fused'] - m['plain']:>+13.2f}{m['unfused'] - m['fused']:>+15.2f}  "
                      f"{'equal' if p['fused']['bitwise_equal'] else 'DIFFERENT'}"
 )
     return lines
