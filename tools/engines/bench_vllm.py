@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""vLLM's own Kimi K3 attn_res (Triton, vLLM 0.33.0) against the attnres plugin's path, on one Hopper GPU.
+
+Three steps (docs/integrations.md, "Refreshing the table"):
+
+  prepare SRC     (any machine) SRC: the vLLM 0.33.0 wheel or an unpacked copy of it. Builds build/engines/vllm/
+                  (ignored): vLLM's real ops/attn_res.py and ops/__init__.py, plus minimal stand-ins written
+                  here for the three modules they import that need vLLM's compiled library or its config
+                  system (vllm._custom_ops, vllm.platforms, vllm.triton_utils). Carry build/engines to the GPU.
+  run --out F     (GPU) PYTHONPATH=python:build/engines/vllm. For each site (call form), T and N: both
+                  functions on the same inputs, the max |delta| of the outputs, whether the side effects (prefix,
+                  blocks) are bitwise equal, and the per-call time of each by CUDA-graph replay over rotating
+                  input sets (attnres.bench.timing). --sites/--tokens/--candidates split a long sweep.
+  table F...      merges run files into python/attnres/integrations/vllm_table.json: a point is "faster" when
+                  attnres's median is below vLLM's by --margin (default 3%) and its side effects were bitwise
+                  equal. Points not run stay unmeasured (the plugin falls back there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STANDIN = ROOT / "build" / "engines" / "vllm"
+TABLE = ROOT / "python" / "attnres" / "integrations" / "vllm_table.json"
+REAL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm/models/kimi_k3/nvidia/ops/__init__.py")
+SITES = ("add_rmsnorm", "add_rmsnorm_write", "rmsnorm", "rmsnorm_write", "add_mix", "mix")
+TOKENS = (1, 4, 8, 32, 256, 4096)
+
+# Stand-ins: only what ops/attn_res.py touches. The native-kernel branch needs SM100 and torch.ops._C (absent),
+# so _custom_ops is never called on Hopper; the platform answers from torch as vLLM's CudaPlatform does.
+STANDINS = {
+    "vllm/__init__.py": "",
+    "vllm/_custom_ops.py": "# stand-in: vLLM's compiled ops are not loaded; attn_res.py calls them on SM100 only\n",
+    "vllm/platforms/__init__.py": '''"""Stand-in for vllm.platforms: what attn_res.py and the attnres plugin ask, answered from torch."""
+import torch
+
+
+class _Platform:
+    device_type = "cuda"
+
+    @staticmethod
+    def is_cuda():
+        return True
+
+    @staticmethod
+    def get_device_capability(device_id=0):
+        return torch.cuda.get_device_capability(device_id)
+
+    @staticmethod
+    def has_device_capability(capability, device_id=0):
+        major, minor = torch.cuda.get_device_capability(device_id)
+        want = capability if isinstance(capability, tuple) else divmod(capability, 10)
+        return (major, minor) >= tuple(want)
+
+    @staticmethod
+    def is_device_capability_family(capability, device_id=0):
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return (major * 10 + minor) // 10 == capability // 10
+
+    @staticmethod
+    def is_arch_support_pdl():
+        return torch.cuda.get_device_capability(torch.cuda.current_device())[0] >= 9
+
+
+current_platform = _Platform()
+''',
+    "vllm/triton_utils/__init__.py": "import triton\nimport triton.language as tl\n",
+    "vllm/models/__init__.py": "",
+    "vllm/models/kimi_k3/__init__.py": "",
+    "vllm/models/kimi_k3/nvidia/__init__.py": "",
+}
+
+
+def prepare(src: Path) -> None:
+    if STANDIN.exists():
+        shutil.rmtree(STANDIN)
+    for rel, text in STANDINS.items():
+        (STANDIN / rel).parent.mkdir(parents=True, exist_ok=True)
+        (STANDIN / rel).write_text(text)
+    for rel in REAL_FILES:
+        if src.is_file():
+            with zipfile.ZipFile(src) as z:
+                data = z.read(rel)
+        else:
+            data = (src / rel).read_bytes()
+        (STANDIN / rel).parent.mkdir(parents=True, exist_ok=True)
+        (STANDIN / rel).write_bytes(data)
+    print(f"prepared {STANDIN} (carry build/engines; run with PYTHONPATH=python:build/engines/vllm)")
+
+
+def _inputs(T, NB, H, sets, gen, device):
+    import torch
+    bf16 = dict(dtype=torch.bfloat16, device=device)
+    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen)).to(**bf16)  # noqa: E731
+    weights = dict(norm_weight=(1 + r(H, scale=0.1).float()).to(**bf16), qk_weight=r(H, scale=0.05),
+                   output_norm_weight=(1 + r(H, scale=0.1).float()).to(**bf16))
+    return [dict(prefix=r(T, H), delta=r(T, H, scale=0.3), blocks=r(T, NB, H), **weights) for _ in range(sets)]
+
+
+def _clone(s):
+    return {k: v.clone() for k, v in s.items()}
+
+
+def _args(site, K):
+    write = site.endswith("_write")
+    return dict(delta=site.startswith("add_"), norm="rmsnorm" in site, num_blocks=K, block_write_idx=K if write else -1)
+
+
+def _caller(fn, s, a, eps=1e-5):
+    return lambda: fn(s["prefix"], s["delta"] if a["delta"] else None, s["blocks"], s["norm_weight"], s["qk_weight"],
+                      s["output_norm_weight"] if a["norm"] else None, num_blocks=a["num_blocks"],
+                      block_write_idx=a["block_write_idx"], eps=eps, output_norm_eps=eps if a["norm"] else 0.0)
+
+
+def run(args) -> None:
+    import torch
+    from vllm.models.kimi_k3.nvidia.ops.attn_res import attn_res as vllm_attn_res
+
+    import attnres
+    from attnres.bench.timing import capture, rotating_sets, time_interleaved
+    from attnres.integrations import vllm as plugin
+
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    if torch.cuda.get_device_capability(dev)[0] != 9:
+        sys.exit(f"bench_vllm: {name} is not compute capability 9.x")
+    served = lambda *a, **k: plugin._serve(*a, **k)  # noqa: E731  the path the plugin serves, table bypassed
+    results = {"device": name, "hidden": args.hidden, "bank_rows": args.bank_rows, "attnres": attnres.__version__,
+               "torch": torch.__version__, "pdl": args.pdl, "points": []}
+    plugin.SETTINGS.options = None if args.pdl else attnres.Options(pdl=False)
+    gen = torch.Generator().manual_seed(0)
+    for site in args.sites:
+        for T in args.tokens:
+            for N in args.candidates:
+                K = N - 1
+                if site.endswith("_write") and K >= args.bank_rows:
+                    continue
+                a = _args(site, K)
+                sets = rotating_sets(T * args.hidden * 2 * (2 + args.bank_rows))
+                base = _inputs(T, args.bank_rows, args.hidden, sets, gen.manual_seed(T * 100 + N), "cpu")
+                v_sets = [{k: t.to(dev) for k, t in s.items()} for s in base]
+                p_sets = [_clone(s) for s in v_sets]
+                # numerics: one eager call of each on identical inputs
+                cv, cp = _clone(v_sets[0]), _clone(v_sets[0])
+                out_v = _caller(vllm_attn_res, cv, a)()
+                out_p = _caller(served, cp, a)()
+                torch.cuda.synchronize()
+                point = {"site": site, "T": T, "N": N,
+                         "max_abs_diff": float((out_v.float() - out_p.float()).abs().max()),
+                         "prefix_bitwise": bool(torch.equal(cv["prefix"].view(torch.int16), cp["prefix"].view(torch.int16))),
+                         "blocks_bitwise": bool(torch.equal(cv["blocks"].view(torch.int16), cp["blocks"].view(torch.int16)))}
+                gv = capture([_caller(vllm_attn_res, s, a) for s in v_sets])
+                gp = capture([_caller(served, s, a) for s in p_sets])
+                t = time_interleaved({"vllm": (gv, sets), "attnres": (gp, sets)}, repeats=args.repeats)
+                point.update({k: v.as_dict() for k, v in t.items()})
+                point["speedup"] = t["vllm"].median_us / t["attnres"].median_us
+                results["points"].append(point)
+                print(f"{site:18s} T={T:5d} N={N:2d}  vllm {t['vllm'].median_us:8.2f} us  attnres "
+                      f"{t['attnres'].median_us:8.2f} us  x{point['speedup']:.2f}  max|d| {point['max_abs_diff']:.3g}  "
+                      f"prefix {'==' if point['prefix_bitwise'] else '!='}  blocks "
+                      f"{'==' if point['blocks_bitwise'] else '!='}", flush=True)
+                del v_sets, p_sets, gv, gp
+                torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+def table(args) -> None:
+    runs = [json.loads(Path(f).read_text()) for f in args.files]
+    keys = {(r["device"], r["hidden"], r["pdl"]) for r in runs}
+    if len(keys) != 1:
+        sys.exit(f"bench_vllm table: the runs differ in device / hidden / pdl: {sorted(keys)}")
+    device, hidden, pdl = keys.pop()
+    tokens, faster = set(), {}
+    for r in runs:
+        for p in r["points"]:
+            tokens.add(p["T"])
+            ok = p["prefix_bitwise"] and p["blocks_bitwise"] and \
+                p["attnres"]["median_us"] < (1 - args.margin) * p["vllm"]["median_us"]
+            ns = faster.setdefault(p["site"], {}).setdefault(str(p["T"]), [])
+            if ok:
+                ns.append(p["N"])
+    data = {"schema": 1, "note": f"bench_vllm.py: attnres faster by > {args.margin:.0%} (median), side effects "
+                                 f"bitwise; PDL {'on' if pdl else 'off'}", "device": device, "hidden": hidden,
+            "vllm": "0.33.0", "attnres": runs[0]["attnres"], "tokens": sorted(tokens),
+            "faster": {s: {t: sorted(ns) for t, ns in sorted(per.items(), key=lambda x: int(x[0]))}
+                       for s, per in faster.items()}}
+    Path(args.write).write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {args.write}: {sum(len(n) for per in faster.values() for n in per.values())} faster points "
+          f"of {sum(len(r['points']) for r in runs)}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("src", type=Path)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
+    r.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
+    r.add_argument("--candidates", nargs="+", type=int, default=list(range(1, 10)))
+    r.add_argument("--hidden", type=int, default=7168)
+    r.add_argument("--bank-rows", type=int, default=9, help="NB of the token-major bank [T, NB, H]")
+    r.add_argument("--repeats", type=int, default=25)
+    r.add_argument("--no-pdl", dest="pdl", action="store_false", help="attnres with PDL off (ATTNRES_VLLM_PDL=0)")
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
+    t.add_argument("--margin", type=float, default=0.03)
+    t.add_argument("--write", default=str(TABLE))
+    args = ap.parse_args(argv)
+    {"prepare": lambda: prepare(args.src), "run": lambda: run(args), "table": lambda: table(args)}[args.cmd]()
+
+
+if __name__ == "__main__":
+    main()
