@@ -97,7 +97,7 @@ def table_dict(device: str, hidden: int, rows: list[dict], measured: dict, note:
     """The JSON document of a table (tools/engines/bench_sglang.py writes it)."""
     for row in rows:
         for k in ("attnres_us", "sglang_us"):
-            if k in row and not math.isfinite(row[k]):
+            if row.get(k) is not None and not math.isfinite(row[k]):
                 raise TableError(f"row {row['entry']} T = {row['tokens']} N = {row['candidates']}: {k} not finite")
     out = {"schema": SCHEMA, "note": note, "device": device, "hidden": hidden, "measured": measured,
            "rows": sorted(rows, key=lambda r: (r["entry"], r["candidates"], r["tokens"]))}
