@@ -445,3 +445,23 @@ def test_switch_off(sgl, monkeypatch, caplog, value, warns):
         assert getattr(sgl.ar, name) is sgl.originals[name]
     assert ("must be 0 or 1" in caplog.text) == warns
 
+
+
+def test_bench_decision_rule():
+    """tools/engines/bench_sglang.py marks attnres faster only when correct and below SGLang's cheaper timing
+    (its path without the output norm) beyond the noise."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "engines" / "bench_sglang.py"
+    spec = importlib.util.spec_from_file_location("bench_sglang", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    t = lambda p10, p90: {"p10_us": p10, "p90_us": p90, "median_us": (p10 + p90) / 2}  # noqa: E731
+    row = {"prefix_bitwise": True, "bank_bitwise": True, "rel_l2": 1e-3, "cosine": 0.99999,
+           "attnres": t(2.0, 2.5), "sglang": t(9.0, 10.0), "sglang_mix_only": t(6.0, 7.0)}
+    assert bench.decide(row)
+    assert not bench.decide({**row, "sglang_mix_only": t(2.4, 3.0)})  # within the noise of the lower bound
+    assert not bench.decide({**row, "prefix_bitwise": False})
+    assert not bench.decide({**row, "rel_l2": 1e-2})
+    assert not bench.decide({**row, "attnres": None})
