@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """SGLang's AttnRes functions against the attnres plugin's replacements, on the GPU (the H200), and the table the
-plugin consults (python/attnres/integrations/sglang_table.json; docs/integrations_sglang.md).
+plugin consults (python/attnres/integrations/sglang_table.json; docs/integrations.md).
 
 SGLang's own code runs: sglang/srt/layers/attn_residual.py and sglang/srt/plugins/hook_registry.py are taken from
 an unpacked SGLang wheel (--sglang-src, carried to the GPU machine; tools/engines/sglang_carry.sh copies the two
@@ -227,7 +227,7 @@ def main() -> int:
                               "sglang_mix_only_us": r["sglang_mix_only"]["median_us"] if r["sglang"] else None}
                              for r in rows]
         note = ("attnres runs where use_attnres is true; every other call runs SGLang's own function. "
-                "Regenerate with tools/engines/bench_sglang.py (docs/integrations_sglang.md).")
+                "Regenerate with tools/engines/bench_sglang.py (docs/integrations.md).")
         args.write_table.write_text(json.dumps(table_dict(device, args.hidden, table_rows, measured, note),
                                                indent=1) + "\n")
         print(f"bench_sglang: wrote {args.write_table} ({len(table_rows)} rows)")

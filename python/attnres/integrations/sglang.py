@@ -1,5 +1,5 @@
 """SGLang plugin: REPLACE hooks on the AttnRes entry points of sglang.srt.layers.attn_residual, routed to attnres
-where attnres was measured faster, SGLang's own function everywhere else (docs/integrations_sglang.md).
+where attnres was measured faster, SGLang's own function everywhere else (docs/integrations.md).
 
 Entry point (group `sglang.srt.plugins`): `attnres.integrations.sglang:register`. SGLang's load_plugins() runs it,
 then HookRegistry.apply_hooks() rebinds the module attributes and every stale `from ... import` of them (kimi_k3

@@ -1,4 +1,4 @@
-"""The measured table the SGLang plugin consults before it replaces a call (docs/integrations_sglang.md).
+"""The measured table the SGLang plugin consults before it replaces a call (docs/integrations.md).
 
 A row says, for one entry point of sglang.srt.layers.attn_residual, one token count T and one candidate count
 N = nvb + 1, whether attnres was measured faster than SGLang's own function on the table's device at the
