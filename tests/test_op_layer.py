@@ -559,3 +559,23 @@ def test_moe_finalize_out_under_compile_equals_eager():
     got = torch.compile(step, fullgraph=True)(rows, weights, index, shared, nw, out)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("family", ["attn_res", "attn_res_add_rmsnorm"])
+def test_in_place_update_bumps_the_version_counter(family):
+    """The in-place prefix update is seen by autograd like any in-place op: a graph that saved the prefix
+    refuses to backpropagate through the modified value instead of silently using it."""
+    g = torch.Generator().manual_seed(11)
+    T, K, H = 2, 3, 64
+    rnd = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    prefix, delta, bank, w = rnd(T, H), rnd(T, H), rnd(K, T, H), rnd(H)
+    scale = torch.ones(T, H, dtype=torch.bfloat16, requires_grad=True)
+    saved = scale * prefix  # mul saves prefix for its backward
+    version = prefix._version
+    if family == "attn_res":
+        attnres.attn_res(prefix, bank, w, w, 1e-5, layer_residual_add=delta, diagnostics=False, out=(prefix, None))
+    else:
+        attnres.attn_res_add_rmsnorm(prefix, delta, bank, w, w, w, 1e-5, 1e-5, out=(prefix, None))
+    assert prefix._version > version
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.float().sum().backward()

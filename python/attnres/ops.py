@@ -23,6 +23,7 @@ from torch import Tensor
 
 from . import _C, _attn_ops
 from ._attn_ops import FAMILIES, allocate, call
+from ._registry import note_writes
 from ._tensors import as_tensor
 from .errors import ArgumentError
 from .options import DEFAULT, Options
@@ -129,6 +130,9 @@ def _run(family_name: str, v: dict, snapshot_slot, out, options, produced: tuple
     if not _is_compiling():
         v["_options"] = _c(opts)
         if call(family, v, outs, snapshot, direct=True):
+            note_writes(*given.values())
+            if snapshot:
+                note_writes(v["bank"])
             return _result(outs, produced)
         del v["_options"]
     return _through_torch_ops(family, v, outs, given, opts, snapshot, produced)
@@ -150,6 +154,21 @@ def _through_torch_ops(family, v: dict, outs: dict, given: dict, opts: Options, 
     return _result(results, produced)
 
 
+def _given_pair(out, two: bool):
+    """The fast path's (first, second) out= tensors: (None, None) without out=; None when out= is anything but a
+    tuple of the two outputs (or of the one, when `two` is False) as plain tensors or None (the generic path then
+    judges it)."""
+    if out is None:
+        return (None, None)
+    if type(out) is not tuple or len(out) != (2 if two else 1):
+        return None
+    pair = out if two else (None, out[0])
+    for t in pair:
+        if t is not None and type(t) is not Tensor:
+            return None
+    return pair
+
+
 def _result(outs: dict, produced: tuple[str, ...]):
     return outs[produced[0]] if len(produced) == 1 else tuple(outs[k] for k in produced)
 
@@ -164,16 +183,24 @@ def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: fl
     mixture is taken over the updated prefix; with diagnostics (default) the fp32 [N, T] rsigma, probs and
     logits the mixture used. With snapshot_slot, the (updated) prefix is also written into bank row
     snapshot_slot (>= K) of block_residual's storage. A single result is returned as a tensor."""
-    if out is None and snapshot_slot is None and options is None and not diagnostics and \
-            type(layer_residual) is Tensor and not _is_compiling():
-        # The engines' call (no diagnostics, outputs allocated): straight to the library. False: it needs
-        # torch's dispatcher, handled below.
-        mixture = _empty_like(layer_residual)
-        updated = None if layer_residual_add is None else _empty_like(layer_residual)
-        if _call(_OP.attn_res, (layer_residual, layer_residual_add, layer_residual_add2, block_residual, res_weight,
-                                rms_weight, None, mixture, updated, None, None, None, None, None, None),
-                 rms_eps, 1e-5, -1, _NOT_SNAPSHOT, None, False, _DEFAULT_C, True):
-            return mixture if updated is None else (updated, mixture)
+    if snapshot_slot is None and options is None and not diagnostics and type(layer_residual) is Tensor and \
+            not _is_compiling():
+        # The engines' call (no diagnostics): straight to the library. False: it needs torch's dispatcher,
+        # handled below.
+        given = _given_pair(out, layer_residual_add is not None)
+        if given is not None:
+            updated, mixture = given
+            if mixture is None:
+                mixture = _empty_like(layer_residual)
+            if updated is None and layer_residual_add is not None:
+                updated = _empty_like(layer_residual)
+            if _call(_OP.attn_res, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
+                                    res_weight, rms_weight, None, mixture, updated, None, None, None, None, None,
+                                    None),
+                     rms_eps, 1e-5, -1, _NOT_SNAPSHOT, None, False, _DEFAULT_C, True):
+                if out is not None:
+                    note_writes(updated, mixture)
+                return mixture if updated is None else (updated, mixture)
     produced = (("updated",) if layer_residual_add is not None else ()) + ("output",) + \
         (("rsigma", "probs", "logits") if diagnostics else ())
     v = {"layer_residual": layer_residual, "block_residual": block_residual, "res_weight": res_weight,
@@ -215,14 +242,22 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
     prefix + (add + add2) exactly as PyTorch's `prefix + (add + add2)` on bf16; output = RMSNorm(AttnRes(bank,
     updated)). With snapshot_slot, updated is also written into bank row snapshot_slot (>= K) of
     block_residual's storage. out=(layer_residual, None) updates the prefix in place."""
-    if out is None and snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
+    if snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
             type(layer_residual) is Tensor and not _is_compiling():
-        updated, output = _empty_like(layer_residual), _empty_like(layer_residual)
-        if _call(_OP.attn_res_add_rmsnorm, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
-                                            res_weight, rms_weight, norm_weight, output, updated, None, None, None,
-                                            None, None, None),
-                 rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
-            return updated, output
+        given = _given_pair(out, True)
+        if given is not None:
+            updated, output = given
+            if updated is None:
+                updated = _empty_like(layer_residual)
+            if output is None:
+                output = _empty_like(layer_residual)
+            if _call(_OP.attn_res_add_rmsnorm, (layer_residual, layer_residual_add, layer_residual_add2,
+                                                block_residual, res_weight, rms_weight, norm_weight, output, updated,
+                                                None, None, None, None, None, None),
+                     rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
+                if out is not None:
+                    note_writes(updated, output)
+                return updated, output
     produced = ("updated", "output") + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "layer_residual_add": layer_residual_add,
          "layer_residual_add2": layer_residual_add2, "block_residual": block_residual, "res_weight": res_weight,
