@@ -1,6 +1,7 @@
 """The docs stay true to the tree: every relative link in README.md and docs/ resolves (the file, and its #anchor
-by GitHub's rules), every `python -m attnres ...` command line shown in them parses with its entry point's own
-argparse parser (nothing runs: a few seconds for all of them), and no page is over 40 KB."""
+by GitHub's rules), every results file they cite is committed, every `python -m attnres ...` (or `torchrun ... -m
+attnres...`) command line shown in them parses with its entry point's own argparse parser (nothing runs: a few
+seconds for all of them), no page is over 40 KB, and the CPU demo's H200 figures are the committed file's."""
 
 from __future__ import annotations
 
@@ -122,8 +123,25 @@ def test_no_page_is_over_40_kb():
     assert not big, big
 
 
+RESULTS_FILE = re.compile(r"\b(h200(?:x\d)?_[0-9a-f]{7}_[\w*]+\.(?:json|txt))")
+
+
+def test_every_cited_results_file_exists():
+    """A figure's results file, cited with or without its `bench_results/` folder (a `*` is a pattern)."""
+    cited, missing = 0, []
+    for page in PAGES:
+        for n, line in enumerate(page.read_text().splitlines(), 1):
+            for name in RESULTS_FILE.findall(line):
+                cited += 1
+                if not list((ROOT / "bench_results").glob(name)):
+                    missing.append(f"{_rel(page)}:{n}: {name}")
+    assert cited > 20, "the results-file pattern found almost nothing: it is broken"
+    assert not missing, "results files cited but not in bench_results/:\n" + "\n".join(missing)
+
+
 # ------------------------------------------------------------------------------------------- command lines
-COMMAND = re.compile(r"python3? -m (attnres(?:\.\w+)*)((?:\s+[^\s#;|&`)]+)*)")
+# `python -m attnres...` and `torchrun [its options] -m attnres...`: the arguments up to a comment or shell operator.
+COMMAND = re.compile(r"(?:python3?|torchrun(?:\s+--?[\w-]+(?:[= ]\d+)?)*) -m (attnres(?:\.\w+)*)((?:\s+[^\s#;|&`)]+)*)")
 
 
 def commands() -> list[tuple[Path, int, str, list[str]]]:
@@ -162,6 +180,8 @@ def parse(module: str, argv: list[str]) -> None:
         if argv[0] in top.FORWARDED:
             forwarded = top.FORWARDED[argv[0]][0]
             return parse(forwarded.removesuffix(".__main__").removesuffix(".cli"), argv[1:])
+    if argv and argv[-1] in ("…", "..."):  # "python -m attnres …": any command line of it
+        argv = argv[:-1]
     if not argv:  # the entry point named in prose ("`python -m attnres.stress`"): it must exist
         _parser_of(module)
         return None

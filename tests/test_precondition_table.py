@@ -47,8 +47,9 @@ def test_every_source_contributes_its_messages(messages):
         by_file.setdefault(m.source.split(":")[0], []).append(m)
     for path in ("cpp/src/checks.hpp", "cpp/src/validate.cpp", "cpp/src/plan.cpp", "cpp/src/moe_finalize_validate.cpp",
                  "python/attnres/_tensors.py", "python/attnres/ops.py", "python/attnres/_attn_ops.py",
-                 "python/attnres/options.py", "python/attnres/planning.py", "python/attnres/moe_ops.py", "python/attnres/moe_tail.py",
-                 "cpp/src/all_reduce_validate.cpp", "python/attnres/all_reduce.py", "python/attnres/fp8.py"):
+                 "python/attnres/options.py", "python/attnres/planning.py", "python/attnres/moe_ops.py",
+                 "python/attnres/moe_tail.py", "cpp/src/all_reduce_validate.cpp", "python/attnres/all_reduce.py",
+                 "python/attnres/fp8.py"):
         assert by_file.get(path), f"no message parsed from {path}"
     # Each fail(...) site of the validators is listed (a site with a computed argument at least once; a message
     # raised at two sites, e.g. all_reduce's "output overlaps gathered", is listed once).

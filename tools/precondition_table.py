@@ -8,10 +8,11 @@
 
 Messages come from every place that raises one:
   * C++: `fail(arg, <message>)` and `throw ArgumentError(<message>)` in cpp/src/checks.hpp, validate.cpp (the
-    attention ops, their FP8 output included), moe_finalize_validate.cpp, all_reduce_validate.cpp and plan.cpp. A message is its concatenation of string literals (a `+` term that
-    is not a literal is a value, shown as <...>). A check whose argument is a parameter (`arg`) is listed once
-    per literal argument it is called with in the same family (e.g. check.layout("rows", ...)) plus once for
-    its calls with computed arguments (shown as <arg>).
+    attention ops, their FP8 output included), moe_finalize_validate.cpp, all_reduce_validate.cpp and plan.cpp.
+    A message is its concatenation of string literals (a `+` term that is not a literal is a value, shown as
+    <...>). A check whose argument is a parameter (`arg`) is listed once per literal argument a validator of a
+    family calls it with (e.g. check.layout("rows", ...)) plus once for its calls with computed arguments
+    (shown as <arg>); a shared check no validator of a family calls is not listed for that family.
   * Python: `raise ...(f"...")` and `_argument_error(arg, f"...")` in python/attnres/_tensors.py, ops.py,
     _attn_ops.py, options.py, planning.py, fp8.py, moe_ops.py, moe_tail.py and all_reduce.py.
 Three families: the attention ops, moe_finalize, and the all-reduce ops (all_reduce, moe_finalize_all_reduce,
@@ -21,9 +22,9 @@ The rule shown is the condition the message is raised under (the `if` around it)
 
 A test covers a message when one of its string literals (an f-string's fields, a `.format` field or a `.*` of
 a regex count as "anything") can be the start of that message: tests compare with startswith / `match="^..."`,
-so a literal may stop anywhere. Literals are read from tests/*.py and cpp/tests/*.cpp; one naming an op
-(`moe_finalize: ...`, `attn_res...: ...`, `all_reduce: ...`) counts for that op family, one without a prefix for the family of
-its file. A literal counts only with at least 10 characters of its own (a bare "{message}" says nothing).
+so a literal may stop anywhere. Literals are read from tests/**/*.py and cpp/tests/*.cpp; one naming an op
+(`moe_finalize: ...`, `attn_res...: ...`, `all_reduce: ...`) counts for that op family, one without a prefix
+for the family of its file (named after what it tests). A literal counts only with at least 10 characters of its own (a bare "{message}" says nothing).
 The test named is the test function (Python) or GoogleTest case (C++) the literal belongs to, following
 module-level tables into the parametrized tests that read them.
 """
