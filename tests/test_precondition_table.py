@@ -1,5 +1,6 @@
-"""tools/precondition_table.py (docs/reliability.md section 1): every precondition message in the source has a
-test that provokes it, and the checker behind that claim can fail."""
+"""tools/precondition_table.py (docs/preconditions.md): every precondition message in the source, in every op
+family (attention ops with their FP8 output, moe_finalize, the all-reduce ops), has a test that provokes it, the
+page shows what the script generates, and the checker behind that claim can fail."""
 
 from __future__ import annotations
 
@@ -46,10 +47,14 @@ def test_every_source_contributes_its_messages(messages):
         by_file.setdefault(m.source.split(":")[0], []).append(m)
     for path in ("cpp/src/checks.hpp", "cpp/src/validate.cpp", "cpp/src/plan.cpp", "cpp/src/moe_finalize_validate.cpp",
                  "python/attnres/_tensors.py", "python/attnres/ops.py", "python/attnres/_attn_ops.py",
-                 "python/attnres/options.py", "python/attnres/planning.py", "python/attnres/moe_ops.py", "python/attnres/moe_tail.py"):
+                 "python/attnres/options.py", "python/attnres/planning.py", "python/attnres/moe_ops.py",
+                 "python/attnres/moe_tail.py", "cpp/src/all_reduce_validate.cpp", "python/attnres/all_reduce.py",
+                 "python/attnres/fp8.py"):
         assert by_file.get(path), f"no message parsed from {path}"
-    # Each fail(...) site of the two validators is listed (a site with a computed argument at least once).
-    for path, minimum in (("cpp/src/validate.cpp", 20), ("cpp/src/moe_finalize_validate.cpp", 18)):
+    # Each fail(...) site of the validators is listed (a site with a computed argument at least once; a message
+    # raised at two sites, e.g. all_reduce's "output overlaps gathered", is listed once).
+    for path, minimum in (("cpp/src/validate.cpp", 20), ("cpp/src/moe_finalize_validate.cpp", 18),
+                          ("cpp/src/all_reduce_validate.cpp", 25)):
         sites = {m.source for m in by_file[path]}
         text = (ROOT / path).read_text()
         calls = text.count("fail(") - text.count("void fail(")
@@ -68,6 +73,28 @@ def test_known_messages_and_their_tests(messages):
     assert "a.weights.dtype != DType::f32" in m.rule
     m = _find(messages, "attention", "Options.pdl must be a bool, got <...>")
     assert m.language == "Python" and any("test_options_validation" in t for t in m.tests)
+
+
+def test_every_family_is_read(table, messages):
+    """The three families, the FP8 output's rules among the attention ops', the shared checks per family."""
+    assert {m.family for m in messages} == set(table.FAMILIES)
+    m = _find(messages, "all_reduce", "comm.world_size must be in [1, <...>], got <...>")
+    assert any("AllReduceRejections.WorldSize" in t for t in m.tests), m.tests
+    m = _find(messages, "all_reduce", "gathered has a null data pointer")  # checks.hpp's layout, all-reduce callers
+    assert any("GatheredLayoutAndDevice" in t for t in m.tests), m.tests
+    m = _find(messages, "attention", "fp8_scales must be 4-byte aligned")
+    assert m.source.startswith("cpp/src/validate.cpp") and m.tests, m
+    # A shared check that no validator of a family calls is not listed for it (moe_finalize's scale alone is).
+    assert not [m for m in messages if m.family != "moe" and "must be finite, got" in m.text()]
+
+
+def test_docs_page_is_the_generated_table(table, messages):
+    text = table.DOC.read_text()
+    begin, end = "<!-- precondition-table:begin -->\n", "<!-- precondition-table:end -->"
+    shown = text[text.index(begin) + len(begin):text.index(end)]
+    assert shown == table.markdown(messages) + "\n", \
+        "docs/preconditions.md is stale: run python3 tools/precondition_table.py --write-docs"
+    assert len(text.encode()) <= 40_000, "docs/preconditions.md is over 40 KB: make the table more compact"
 
 
 def test_checker_reports_a_message_whose_tests_are_gone(table, messages):

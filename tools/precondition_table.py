@@ -1,26 +1,30 @@
 #!/usr/bin/env python3
 """Every precondition message of the library and the tests that provoke it, read from the source.
 
-    python3 tools/precondition_table.py            the markdown table (docs/reliability.md section 1, "Generated")
+    python3 tools/precondition_table.py            the markdown table (docs/preconditions.md)
     python3 tools/precondition_table.py --check    exit 1 listing every message no test covers
     python3 tools/precondition_table.py --json     one record per message
-    python3 tools/precondition_table.py --write-docs   the table into docs/reliability.md (between its markers)
+    python3 tools/precondition_table.py --write-docs   the table into docs/preconditions.md (between its markers)
 
 Messages come from every place that raises one:
-  * C++: `fail(arg, <message>)` and `throw ArgumentError(<message>)` in cpp/src/checks.hpp, validate.cpp,
-    moe_finalize_validate.cpp and plan.cpp. A message is its concatenation of string literals (a `+` term that
-    is not a literal is a value, shown as <...>). A check whose argument is a parameter (`arg`) is listed once
-    per literal argument it is called with in the same family (e.g. check.layout("rows", ...)) plus once for
-    its calls with computed arguments (shown as <arg>).
+  * C++: `fail(arg, <message>)` and `throw ArgumentError(<message>)` in cpp/src/checks.hpp, validate.cpp (the
+    attention ops, their FP8 output included), moe_finalize_validate.cpp, all_reduce_validate.cpp and plan.cpp.
+    A message is its concatenation of string literals (a `+` term that is not a literal is a value, shown as
+    <...>). A check whose argument is a parameter (`arg`) is listed once per literal argument a validator of a
+    family calls it with (e.g. check.layout("rows", ...)) plus once for its calls with computed arguments
+    (shown as <arg>); a shared check no validator of a family calls is not listed for that family.
   * Python: `raise ...(f"...")` and `_argument_error(arg, f"...")` in python/attnres/_tensors.py, ops.py,
-    _attn_ops.py, options.py, planning.py, moe_ops.py and moe_tail.py.
+    _attn_ops.py, options.py, planning.py, fp8.py, moe_ops.py, moe_tail.py and all_reduce.py.
+Three families: the attention ops, moe_finalize, and the all-reduce ops (all_reduce, moe_finalize_all_reduce,
+all_reduce_attn_res_add_rmsnorm: their communicator and exchange rules; the fused epilogue's own rules are
+listed under its family).
 The rule shown is the condition the message is raised under (the `if` around it).
 
 A test covers a message when one of its string literals (an f-string's fields, a `.format` field or a `.*` of
 a regex count as "anything") can be the start of that message: tests compare with startswith / `match="^..."`,
-so a literal may stop anywhere. Literals are read from tests/*.py and cpp/tests/*.cpp; one naming an op
-(`moe_finalize: ...`, `attn_res...: ...`) counts for that op family, one without a prefix for the family of
-its file. A literal counts only with at least 10 characters of its own (a bare "{message}" says nothing).
+so a literal may stop anywhere. Literals are read from tests/**/*.py and cpp/tests/*.cpp; one naming an op
+(`moe_finalize: ...`, `attn_res...: ...`, `all_reduce: ...`) counts for that op family, one without a prefix
+for the family of its file (named after what it tests). A literal counts only with at least 10 characters of its own (a bare "{message}" says nothing).
 The test named is the test function (Python) or GoogleTest case (C++) the literal belongs to, following
 module-level tables into the parametrized tests that read them.
 """
@@ -38,14 +42,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PH = "\x00"  # a test literal's "anything" (an f-string field)
 ATTN_OPS = ("attn_res_add_rmsnorm_persistent", "attn_res_add_rmsnorm", "attn_res_rmsnorm", "attn_res")
+ALL_REDUCE_OPS = ("all_reduce_attn_res_add_rmsnorm", "moe_finalize_all_reduce", "all_reduce")
+FAMILIES = {"attention": "attention ops", "moe": "moe_finalize", "all_reduce": "all-reduce ops"}
 DTYPES = ("bfloat16", "float32", "float16", "float64", "int32", "int64", "uint8", "an unsupported dtype")
 CPP_SOURCES = {"cpp/src/checks.hpp": None, "cpp/src/validate.cpp": "attention", "cpp/src/plan.cpp": "attention",
-               "cpp/src/moe_finalize_validate.cpp": "moe"}
+               "cpp/src/moe_finalize_validate.cpp": "moe", "cpp/src/all_reduce_validate.cpp": "all_reduce"}
 PY_SOURCES = {"python/attnres/_tensors.py": "attention", "python/attnres/ops.py": "attention",
               "python/attnres/_attn_ops.py": "attention", "python/attnres/options.py": "attention",
-              "python/attnres/planning.py": "attention", "python/attnres/moe_ops.py": "moe",
-              "python/attnres/moe_tail.py": "moe"}
+              "python/attnres/planning.py": "attention", "python/attnres/fp8.py": "attention",
+              "python/attnres/moe_ops.py": "moe", "python/attnres/moe_tail.py": "moe",
+              "python/attnres/all_reduce.py": "all_reduce"}
 MIN_LITERAL = 10
+DOC = ROOT / "docs" / "preconditions.md"  # the generated page (--write-docs), read by tests/test_precondition_table.py
 
 # Messages the parser lists but no call can raise, with the reason (checked: each must still be listed).
 # presence() is called for every argument; only some are ever required.
@@ -63,8 +71,6 @@ UNREACHABLE = {
     ("attention", "output", "output is not an argument of this op"): "required by every op",
     ("attention", "layer_residual", "layer_residual must have shape <...> = <...>, got <...>"):
         "layer_residual is checked against [*, *] (T and H are read from it): only its rank can be wrong",
-    ("attention", "<arg>", "<arg> must be finite, got <...>"): "only moe_finalize's scale takes this check",
-    ("attention", "<arg>", "<arg> must be finite, got <...><...>"): "only moe_finalize's scale takes this check",
 }
 
 
@@ -72,7 +78,7 @@ UNREACHABLE = {
 # A template is a list of parts: ("lit", text), ("var", kind) with kind "any", "arg", "dtype".
 @dataclass
 class Message:
-    family: str  # "attention" | "moe"
+    family: str  # a key of FAMILIES
     source: str  # file:line
     arg: str  # the argument named ("<arg>" when computed)
     parts: list  # the rule's template, after "<arg> "
@@ -135,7 +141,9 @@ def _cpp_template(expr: str) -> list:
         if lit is not None:
             parts.append(("lit", lit))
         else:
-            parts.append(("var", "dtype" if "dtype_name" in term else "any"))
+            # ref_arg names the reference argument, which may be a phrase ("the communicator").
+            kind = "dtype" if "dtype_name" in term else "ref" if term.strip() == "ref_arg" else "any"
+            parts.append(("var", kind))
     return parts
 
 
@@ -211,7 +219,7 @@ def cpp_messages() -> list[Message]:
                 out.append(Message(family, f"{path}:{line}", arg_lit, parts, cond, "C++"))
                 continue
             # A check taking its argument's name: one row per literal name it is called with, one for the rest.
-            families = [family] if family else ["attention", "moe"]
+            families = [family] if family else list(FAMILIES)
             for fam in families:
                 callers = [p for p, f in CPP_SOURCES.items() if f == fam]
                 names, computed = set(), False
@@ -229,7 +237,8 @@ def cpp_messages() -> list[Message]:
                             names.add(lit)
                 for name in sorted(names):
                     out.append(Message(fam, f"{path}:{line}", name, parts, cond, "C++"))
-                if computed or not names:
+                # A shared check no validator of this family calls raises nothing for it.
+                if computed or (not names and family):
                     out.append(Message(fam, f"{path}:{line}", "<arg>", parts, cond, "C++"))
     return out
 
@@ -313,6 +322,9 @@ class TestLiteral:
 def _strip_op(s: str) -> tuple[str, str | None]:
     if s.startswith(PH + ": "):
         return s[3:], None
+    for op in ALL_REDUCE_OPS:  # before the others: "moe_finalize_all_reduce: " is not "moe_finalize: "
+        if s.startswith(op + ": "):
+            return s[len(op) + 2:], "all_reduce"
     if s.startswith(OP_PREFIX_MOE):
         return s[len(OP_PREFIX_MOE):], "moe"
     for op in ATTN_OPS:
@@ -454,14 +466,21 @@ def _cpp_literals(path: Path, family: str) -> list[TestLiteral]:
     return out
 
 
+def _file_family(name: str) -> str:
+    """The family of a test file's literals that name no op (the file is named after what it tests)."""
+    if "all_reduce" in name:
+        return "all_reduce"
+    return "moe" if "moe" in name else "attention"
+
+
 def test_literals() -> list[TestLiteral]:
     out = []
-    for path in sorted((ROOT / "tests").glob("*.py")):
+    for path in sorted((ROOT / "tests").rglob("*.py")):
         if path.name == "test_precondition_table.py":
             continue  # names messages to look them up, provokes none
-        out += _py_literals(path, "moe" if "moe" in path.name else "attention")
+        out += _py_literals(path, _file_family(path.name))
     for path in sorted((ROOT / "cpp" / "tests").glob("*.cpp")):
-        out += _cpp_literals(path, "moe" if "moe" in path.name else "attention")
+        out += _cpp_literals(path, _file_family(path.name))
     return out
 
 
@@ -469,6 +488,7 @@ def test_literals() -> list[TestLiteral]:
 _VAR = {
     "any": r"(?:\x00|\[[^\]]*\]|\([^)]*\)|[^\x00\s\[\]()])*?",
     "arg": r"(?:\x00|[\w.]+)",
+    "ref": r"(?:\x00|[\w.:]+(?: [\w.:]+)*?)",
     "dtype": "(?:\x00|" + "|".join(re.escape(d) for d in DTYPES) + ")",
 }
 
@@ -534,30 +554,38 @@ def collect() -> list[Message]:
     return unique
 
 
+def _short_test(where: str) -> str:
+    """The first test of a literal's owners (a module-level table may feed several)."""
+    return where.split(", ")[0]
+
+
 def markdown(messages: list[Message]) -> str:
-    lines = ["| ops | source | rule (raised when) | message | tests |", "|---|---|---|---|---|"]
-    for m in messages:
-        ops = "moe_finalize" if m.family == "moe" else "attention ops"
-        shown = m.tests[:3] + ([f"+{len(m.tests) - 3} more"] if len(m.tests) > 3 else [])
-        if m.unreachable:
-            tests = f"unreachable: {m.unreachable}"
-        elif not m.tests:
-            tests = "**none**"
-        else:
-            tests = ("by wording: " if m.by_wording else "") + "; ".join(shown)
-        rule = m.rule.replace("|", "\\|") or "-"
-        if len(rule) > 70:
-            rule = rule[:67] + "..."
-        text = m.text().replace("|", "\\|")
-        lines.append(f"| {ops} | `{m.source}` | `{rule}` | `{text}` | {tests.replace('|', '/')} |")
-    return "\n".join(lines)
+    """One table per family. Compact on purpose (the page stays under 40 KB): the source without its folder, the
+    first covering test and how many more; the condition each is raised under and every test are in `--json`."""
+    out = []
+    for family, title in FAMILIES.items():
+        rows = [m for m in messages if m.family == family]
+        out += [f"### {title} ({len(rows)} messages)", "", "| source | message | tests |", "|---|---|---|"]
+        for m in rows:
+            if m.unreachable:
+                tests = f"unreachable: {m.unreachable}"
+            elif not m.tests:
+                tests = "**none**"
+            else:
+                more = f" (+{len(m.tests) - 1})" if len(m.tests) > 1 else ""
+                tests = ("by wording: " if m.by_wording else "") + _short_test(m.tests[0]) + more
+            text = m.text().replace("|", "\\|")
+            source = m.source.split("/")[-1]
+            out.append(f"| `{source}` | `{text}` | {tests.replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out).rstrip("\n")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--check", action="store_true", help="exit 1 when a message has no covering test")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--write-docs", action="store_true", help="replace the table in docs/reliability.md")
+    p.add_argument("--write-docs", action="store_true", help="replace the table in docs/preconditions.md")
     args = p.parse_args(argv)
     messages = collect()
     uncovered = [m for m in messages if not m.tests and not m.unreachable]
@@ -578,7 +606,7 @@ def main(argv=None) -> int:
         print(f"{len(messages)} messages: {named} covered by a test naming the argument, {wording} by the wording "
               f"only, {unreachable} unreachable, {len(uncovered)} without a test")
     elif args.write_docs:
-        doc = ROOT / "docs" / "reliability.md"
+        doc = DOC
         text = doc.read_text()
         begin, end = "<!-- precondition-table:begin -->\n", "<!-- precondition-table:end -->"
         i, j = text.index(begin) + len(begin), text.index(end)

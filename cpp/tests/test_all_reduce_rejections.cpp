@@ -181,5 +181,101 @@ TEST(AllReduceRejections, CudaInputs) {
       "all_reduce: input has D = 32 but the communicator's width is 64");
 }
 
+// The shared layout and device rules (checks.hpp) as the CPU backend's gathered partials meet them.
+TEST(AllReduceRejections, GatheredLayoutAndDevice) {
+  expect_rejected(
+      [](Call& c) {
+        c.args.gathered = make_ref(c.gathered.data() + kD, DType::bf16, Device{}, {kW, kT, kD}, {kT * kD, -kD, 1});
+      },
+      "all_reduce: gathered has a negative stride [128, -64, 1]");
+  expect_rejected(
+      [](Call& c) {
+        c.gathered.resize(2 * kW * kT * kD, 0x3f80);
+        c.args.gathered = make_ref(c.gathered.data(), DType::bf16, Device{}, {kW, kT, kD}, {2 * kT * kD, 2 * kD, 2});
+      },
+      "all_reduce: gathered must have a contiguous last dimension (stride 1), got strides [256, 128, 2]");
+  expect_rejected(
+      [](Call& c) {
+        c.args.gathered = make_ref(c.gathered.data(), DType::bf16, Device{}, {kW, kT, kD}, {0, kD, 1});
+      },
+      "all_reduce: gathered has an overlapping layout (shape [2, 2, 64], strides [0, 64, 1]): every element must "
+      "have its own address");
+  expect_rejected([](Call& c) { c.args.gathered = make_ref(nullptr, DType::bf16, Device{}, {kW, kT, kD}); },
+                  "all_reduce: gathered has a null data pointer");
+  expect_rejected(
+      [](Call& c) {
+        c.args.gathered =
+            make_ref(reinterpret_cast<void*>(0x60000), DType::bf16, Device{DeviceType::cuda, 0}, {kW, kT, kD});
+      },
+      "all_reduce: gathered is on cuda:0 but the communicator is on cpu (all tensors must be on one device)");
+}
+
+// moe_finalize_all_reduce's own rules (the finalize triple's are moe_finalize's, tested in test_moe_finalize.cpp):
+// a valid CPU call over kW ranks with k = 2 routes per token, then one rule broken at a time.
+struct MoeCall {
+  static constexpr int64_t kRows = 4, kK = 2;
+  std::vector<uint16_t> rows = std::vector<uint16_t>(kRows * kD, 0x3f80);
+  std::vector<float> weights = std::vector<float>(kT * kK, 0.5f);
+  std::vector<int32_t> index = {0, 1, 2, 3};
+  std::vector<uint16_t> norm_weight = std::vector<uint16_t>(kD, 0x3f80);
+  std::vector<uint16_t> gathered = std::vector<uint16_t>(kW * kT * kD, 0x3f80);
+  std::vector<uint16_t> output = std::vector<uint16_t>(kT * kD, kPoison);
+  std::vector<uint16_t> reduced = std::vector<uint16_t>(kT * kD, kPoison);
+  MoeFinalizeAllReduceArgs args;
+
+  MoeCall() {
+    args.comm.world_size = kW;
+    args.comm.rank = 0;
+    args.comm.capacity = kCapacity;
+    args.comm.width = kD;
+    MoeFinalizeArgs& f = args.finalize;
+    f.rows = make_ref(rows.data(), DType::bf16, Device{}, {kRows, kD});
+    f.weights = make_ref(weights.data(), DType::f32, Device{}, {kT, kK});
+    f.index = make_ref(index.data(), DType::i32, Device{}, {kT, kK});
+    f.norm_weight = make_ref(norm_weight.data(), DType::bf16, Device{}, {kD});
+    f.output = make_ref(output.data(), DType::bf16, Device{}, {kT, kD});
+    args.gathered = make_ref(gathered.data(), DType::bf16, Device{}, {kW, kT, kD});
+    args.reduced = make_ref(reduced.data(), DType::bf16, Device{}, {kT, kD});
+  }
+};
+
+void expect_moe_rejected(const std::function<void(MoeCall&)>& mutate, const std::string& message) {
+  MoeCall call;
+  mutate(call);
+  try {
+    moe_finalize_all_reduce(call.args);
+    ADD_FAILURE() << "accepted; expected: " << message;
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+  for (uint16_t v : call.output) ASSERT_EQ(v, kPoison) << message;
+}
+
+TEST(AllReduceRejections, MoeFinalizeAllReduceArguments) {
+  {
+    MoeCall call;
+    EXPECT_NO_THROW(moe_finalize_all_reduce(call.args));  // the base case is valid
+  }
+  std::vector<uint16_t> shared(kT * kD, 0x3f80);
+  expect_moe_rejected(
+      [&](MoeCall& c) { c.args.finalize.shared = make_ref(shared.data(), DType::bf16, Device{}, {kT, kD}); },
+      "moe_finalize_all_reduce: shared is not an argument of this op (add it after the all-reduce)");
+  expect_moe_rejected([](MoeCall& c) { c.args.finalize.norm_weight = TensorRef{}; },
+                      "moe_finalize_all_reduce: norm_weight is required (the latent RMSNorm follows the all-reduce)");
+  expect_moe_rejected([](MoeCall& c) { c.args.comm.width = 2 * kD; },
+                      "moe_finalize_all_reduce: rows have D = 64 but the communicator's width is 128");
+  expect_moe_rejected([](MoeCall& c) { c.args.reduced = c.args.finalize.output; },
+                      "moe_finalize_all_reduce: reduced overlaps another argument");
+  expect_moe_rejected(
+      [](MoeCall& c) {  // a valid CUDA communicator (validation stops before any address is used)
+        c.args.comm.device = Device{DeviceType::cuda, 0};
+        c.args.comm.buffers[0] = 0x10000;
+        c.args.comm.buffers[1] = 0x20000;
+        c.args.comm.state = 0x30000;
+      },
+                      "moe_finalize_all_reduce: rows is on cpu but the communicator is on cuda:0 (all tensors must "
+                      "be on one device)");
+}
+
 }  // namespace
 }  // namespace attnres_test

@@ -27,6 +27,23 @@ CPU_NOTE = ("CPU timings are not the point of the demo: the step runs eagerly an
             "Python dispatch. The fold's saving is measured on a Hopper GPU under CUDA-graph replay "
             "(docs/performance.md).")
 
+# What the fold saves on an H200: the committed results of `python -m attnres.bench chain` (93 layers, H = 7168,
+# one CUDA graph per step, median of 25 replays), copied here so an installed package can show them; the figures
+# are those of the file (tests/test_docs.py compares them). T: (fold off, fold on) median step time in µs.
+H200_CHAIN_FILE = "bench_results/h200_f1e3a16_chain.json"
+H200_CHAIN_US = {1: (726.30, 447.17), 4: (896.32, 503.01), 8: (925.73, 526.66), 32: (1076.38, 646.56)}
+H200_MOE_LAYERS = 92
+
+
+def h200_lines() -> list[str]:
+    """The committed H200 figures, labelled as such: a CPU run cannot measure the fold."""
+    lines = [f"\nwhat the fold saves on an H200 (committed results {H200_CHAIN_FILE}, not this run; 93 layers, "
+             "H = 7168, CUDA-graph replay):"]
+    for t, (off, on) in H200_CHAIN_US.items():
+        lines.append(f"    T = {t:>3}: fold off {off / 1e3:.3f} ms, fold on {on / 1e3:.3f} ms: saves "
+                     f"{(off - on) / 1e3:.3f} ms per step = {(off - on) / H200_MOE_LAYERS:.2f} us per MoE layer")
+    return lines
+
 
 def pick_device(choice: str) -> str:
     """'auto': cuda when attnres has the CUDA backend and a Hopper GPU is present, else cpu."""
@@ -134,7 +151,33 @@ def report(records: list[dict], config, device: str) -> tuple[list[str], bool]:
             lines.append(f"    T = {on['T']:>3}: fold off {_ms(off)}, fold on {_ms(on)}")
             lines.append(f"             {timing_verdict(off, on)}")
         lines.append("  " + CPU_NOTE)
+        lines += h200_lines()
     return lines, ok
+
+
+def cpu_figure(plt, records: list[dict], where: str):
+    """The CPU run's figure: what it measured, the eager step's wall clock with its p10-p90 spread per variant.
+    No saving per MoE layer: on the CPU the difference is Python dispatch and noise, not the fold."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    pairs = _pairs(records)
+    ts = [on["T"] for _, on in pairs]
+    for i, (label, pick) in enumerate((("fold off", 0), ("fold on", 1))):
+        rs = [pair[pick] for pair in pairs]
+        med = [r["median_us"] / 1e3 for r in rs]
+        err = [[(r["median_us"] - r["p10_us"]) / 1e3 for r in rs], [(r["p90_us"] - r["median_us"]) / 1e3 for r in rs]]
+        ax.errorbar([j + 0.1 * (2 * i - 1) for j in range(len(ts))], med, yerr=err, marker="o", capsize=3, ls="",
+                    label=f"{label} (median, p10-p90)")
+    first = records[0]
+    ax.set_title(f"decode step, {first['layers']} layers, H = {first['H']}: CPU eager wall clock — {where}\n"
+                 "Python dispatch dominates: not a measurement of the fold", fontsize=9)
+    ax.set_xticks(range(len(ts)), [str(t) for t in ts])
+    ax.set_xlim(-0.6, len(ts) - 0.4)
+    ax.set_xlabel("T (tokens)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
 
 
 def plot(records: list[dict], path: str, where: str) -> None:
@@ -143,9 +186,12 @@ def plot(records: list[dict], path: str, where: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from attnres.bench.plots import chain_figure
+    if records[0]["device"] == "cuda":
+        from attnres.bench.plots import chain_figure
 
-    fig = chain_figure(plt, records, where)
+        fig = chain_figure(plt, records, where)
+    else:
+        fig = cpu_figure(plt, records, where)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
