@@ -21,15 +21,6 @@ MIN_AMAX = 1e-10
 NAN_CODE = 0x7F
 
 
-def check_mode(op: str, fp8) -> str | None:
-    """None or one of MODES; anything else is refused naming the op."""
-    if fp8 is None or fp8 in MODES:
-        return fp8
-    from . import _C
-
-    raise _C.ArgumentError(f"{op}: fp8 must be None, 'per_token' or 'block128', got {fp8!r}")
-
-
 def scale_groups(mode: str, hidden):
     return 1 if mode == "per_token" else hidden // GROUP
 
