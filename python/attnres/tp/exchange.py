@@ -150,37 +150,50 @@ class InProcessExchange:
 
     def __init__(self, world_size: int, timeout_s: float, expected: list | None):
         self.world_size, self.timeout_s, self.expected = world_size, timeout_s, expected
-        self.slots: list = [None] * world_size  # rank r writes only slot r, and only between two waits
-        self.calls = [0] * world_size  # exchanges each rank entered: who is missing when the wait expires
-        self.barrier = threading.Barrier(world_size)
+        self.slots: list = [None] * world_size  # rank r writes only slot r, and only once every rank read it
+        self.arrived = [0] * world_size  # exchanges each rank entered
+        self.read = [0] * world_size  # exchanges each rank finished reading
+        self.cond = threading.Condition()
         self.failed = False
 
     def abort(self) -> None:
         """A rank failed outside the exchange: the others stop waiting for it."""
-        self.failed = True
-        self.barrier.abort()
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
 
-    def _wait(self, op: str, rank: int) -> None:
-        try:
-            self.barrier.wait(self.timeout_s)
-        except threading.BrokenBarrierError:
+    def _wait(self, op: str, rank: int, counts: list[int]) -> None:
+        """Until every rank's count reached this rank's. Success wins over a failure noted later: a rank that
+        fails after an exchange completed must not turn its peers' completed exchange into an error."""
+        with self.cond:
+            self.cond.notify_all()
+            n = counts[rank]
+            self.cond.wait_for(lambda: self.failed or min(counts) >= n, self.timeout_s)
+            if min(counts) >= n:
+                return
             if self.failed:
-                raise PeerFailed(f"{op}: rank {rank}: another rank failed before the exchange") from None
-            missing = [r for r, n in enumerate(self.calls) if n < self.calls[rank]]
+                raise PeerFailed(f"{op}: rank {rank}: another rank failed before the exchange")
+            missing = [r for r, c in enumerate(counts) if c < n]
             raise CommunicatorError(f"{op}: rank {rank} timed out after {self.timeout_s:g} s waiting for rank(s) "
-                                    f"{missing}: every rank must make every call") from None
+                                    f"{missing}: every rank must make every call")
 
     def __call__(self, op: str, rank: int, partial) -> Tensor:
-        self.slots[rank] = (describe(op, partial), partial)
-        self.calls[rank] += 1
-        self._wait(op, rank)
-        check_agreement([s[0] for s in self.slots])  # every thread raises the same error
-        if self.expected is not None:
-            for r, (_, p) in enumerate(self.slots):
-                e = self.expected[r]
-                if not (isinstance(e, Tensor) and e.shape == p.shape and e.dtype == p.dtype and torch.equal(e, p)):
-                    raise _C.ArgumentError(f"{op}: rank {r}'s partial differs from gathered[{r}] (InProcessWorld.run's "
-                                           "`gathered` names what each rank passes); nothing was reduced")
-        gathered = torch.stack([p.contiguous() for _, p in self.slots])
-        self._wait(op, rank)  # every rank has read the slots before any rank's next exchange refills its own
-        return gathered
+        with self.cond:
+            self.slots[rank] = (describe(op, partial), partial)
+            self.arrived[rank] += 1
+        self._wait(op, rank, self.arrived)
+        try:
+            check_agreement([s[0] for s in self.slots])  # every thread raises the same error
+            if self.expected is not None:
+                for r, (_, p) in enumerate(self.slots):
+                    e = self.expected[r]
+                    if not (isinstance(e, Tensor) and e.shape == p.shape and e.dtype == p.dtype and torch.equal(e, p)):
+                        raise _C.ArgumentError(f"{op}: rank {r}'s partial differs from gathered[{r}] "
+                                               "(InProcessWorld.run's `gathered` names what each rank passes); "
+                                               "nothing was reduced")
+            return torch.stack([p.contiguous() for _, p in self.slots])
+        finally:
+            with self.cond:
+                self.read[rank] += 1
+            # Every rank has read the slots before any rank's next exchange refills its own.
+            self._wait(op, rank, self.read)
