@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,10 +27,16 @@ def token_gate(op: str, knob: str, max_tokens: int | None, **counts: int) -> int
     for name, v in counts.items():
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise _C.ArgumentError(f"{op}: {name} must be an int >= 1, got {v!r}")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0):
+    if max_tokens is None:
+        return knobs.value(knob)
+    try:
+        gate = None if isinstance(max_tokens, bool) else operator.index(max_tokens)  # numpy ints too, not floats
+    except TypeError:
+        gate = None
+    if gate is None or gate < 0:
         raise _C.ArgumentError(f"{op}: max_tokens must be None or an int >= 0 (0 disables the path), got "
                                f"{max_tokens!r}")
-    return knobs.value(knob) if max_tokens is None else max_tokens
+    return gate
 
 
 def gate_dtypes(op: str, dtypes) -> tuple[torch.dtype, torch.dtype]:
