@@ -246,24 +246,37 @@ def test_in_process_residency_limit():
 @requires_cuda
 @pytest.mark.gpu
 def test_in_process_cuda_world_refuses_what_cannot_be_resident():
-    from helpers import make_inputs  # noqa: F401  (the GPU suite's helpers)
+    """W = 4, T = 32 fused site on one H200: it timed out after 10 s; now refused at once, nothing launched, and
+    the largest T the message names runs."""
+    from helpers import make_inputs
 
     W, T, H, N = 4, 32, 7168, 9
+    fused = "all_reduce_attn_res_add_rmsnorm"
+    limit = max_tokens(fused, W, H, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert 1 <= limit < T
     world = InProcessWorld(W, T, H, device="cuda", timeout_s=10.0)
-    limit = max_tokens("all_reduce_attn_res_add_rmsnorm", W, H, torch.cuda.get_device_properties(0).multi_processor_count)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    prefix = torch.randn(T, H, device="cuda", generator=g).to(BF16)
-    bank = torch.randn(N - 1, T, H, device="cuda", generator=g).to(BF16)
-    w = [torch.randn(H, device="cuda", generator=g).to(BF16) for _ in range(3)]
-    parts = [torch.randn(T, H, device="cuda", generator=g).to(BF16) for _ in range(W)]
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(T, H, generator=g).to(BF16).cuda() for _ in range(W)]
+
+    def call(x):
+        return lambda c, p: attnres.all_reduce_attn_res_add_rmsnorm(
+            c, p[: x.layer_residual.shape[0]], x.layer_residual, x.block_residual, x.res_weight, x.rms_weight,
+            x.norm_weight, x.rms_eps, x.norm_eps)
+
     t0 = time.monotonic()
-    with pytest.raises(attnres.UnsupportedError, match=f"takes at most T = {limit}"):
-        world.run(lambda c, p: attnres.all_reduce_attn_res_add_rmsnorm(c, p, prefix, bank, *w, 1e-5, 1e-5), parts)
+    with pytest.raises(attnres.UnsupportedError, match=f"takes at most T = {limit} at width {H}"):
+        world.run(call(make_inputs(T, N, H, addends=1, seed=1, device="cuda")), parts)
     assert time.monotonic() - t0 < 5.0
     assert all(c.generation() == 0 for c in world.comms)  # nothing launched
-    out = world.run(lambda c, p: attnres.all_reduce_attn_res_add_rmsnorm(c, p[:limit], prefix[:limit],
-                                                                         bank[:, :limit], *w, 1e-5, 1e-5), parts)
+    out = world.run(call(make_inputs(limit, N, H, addends=1, seed=2, device="cuda")), parts)
     torch.cuda.synchronize()
     world.check()
     assert all(torch.equal(o[0], out[0][0]) for o in out)
     world.close()
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_region_that_cannot_be_allocated_is_an_argument_error():
+    with pytest.raises(attnres.ArgumentError, match="cannot allocate"):
+        InProcessWorld(8, arguments.MAX_CAPACITY, arguments.MAX_WIDTH, device="cuda")

@@ -56,6 +56,28 @@ def _disagreeing_rank(timeout_s: float):
             comm, rows, torch.full((2, 2), 0.5), index, torch.ones(16, dtype=BF16), eps=1e-5))
     # Every mismatch left the communicator usable (every rank raised at the same point): a good call sums.
     out["good"] = _outcome(lambda: attnres.all_reduce(comm, torch.full((2, 16), float(ctx.rank + 1), dtype=BF16)))
+    # A second thread's call while one is in flight is refused (its collectives would pair with the first's).
+    import threading
+
+    if ctx.rank == 0:
+        first = {}
+        t = threading.Thread(target=lambda: first.update(r=_outcome(
+            lambda: attnres.all_reduce(comm, torch.ones(1, 16, dtype=BF16)))))
+        t.start()
+        time.sleep(0.3)  # the thread is waiting for rank 1, which sleeps
+        out["second thread"] = _outcome(lambda: attnres.all_reduce(comm, torch.ones(1, 16, dtype=BF16)))
+        t.join(30)
+        out["first thread"] = first["r"]
+    else:
+        time.sleep(1.0)
+        out["first thread"] = _outcome(lambda: attnres.all_reduce(comm, torch.ones(1, 16, dtype=BF16)))
+    # On the CPU the communicator's own group is made by new_group, which every process calls: a group of some
+    # ranks only is refused, on each of its ranks.
+    import torch.distributed as dist
+
+    part = dist.new_group([0])
+    if ctx.rank == 0:
+        out["part group"] = _outcome(lambda: Communicator.create(4, 16, group=part))
     # Rank 1 never calls: rank 0 raises CommunicatorError after timeout_s, and the communicator is unusable.
     if ctx.rank == 0:
         t0 = time.monotonic()
@@ -67,8 +89,6 @@ def _disagreeing_rank(timeout_s: float):
         out["check"] = _outcome(comm.check)
     # Rank 1 stays alive, not calling, until rank 0 is done (closing would end the wait at once: a reset
     # connection); the default group is untouched by the communicator's failure, so its barrier passes.
-    import torch.distributed as dist
-
     dist.barrier()
     comm.close()
     shutdown()
@@ -93,6 +113,9 @@ def test_disagreeing_ranks_raise_the_same_error_and_a_missing_rank_times_out():
         kind, message = r0[name]
         assert kind == "ArgumentError" and text in message, (name, r0[name])
     assert r0["good"] == r1["good"] == ("returned", [[3.0] * 16] * 2)
+    assert r0["second thread"][0] == "CommunicatorError" and "another thread" in r0["second thread"][1]
+    assert r0["first thread"] == r1["first thread"] == ("returned", [[2.0] * 16])
+    assert r0["part group"][0] == "ArgumentError" and "must hold every rank" in r0["part group"][1]
     kind, message = r0["never called"]
     assert kind == "BrokenExchange" and "timeout_s = 1.5 s" in message, r0["never called"]
     assert 0.9 * TIMEOUT_S <= r0["never called s"] < TIMEOUT_S + 3.0, r0["never called s"]

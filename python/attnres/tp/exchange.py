@@ -24,13 +24,17 @@ from torch import Tensor
 from .. import _C
 from ..errors import AttnResError
 
-# gloo's timeout has millisecond resolution and reads 0 ms as "no timeout": a shorter bound is rounded up to this.
+# gloo takes its timeout in whole milliseconds: a shorter bound would round to 0 ms, so it is rounded up to this.
 GLOO_MIN_TIMEOUT_S = 1e-3
 
 
 class CommunicatorError(AttnResError):
     """The exchange failed (a rank did not arrive within the bound, a peer died), or the communicator is
     unusable. Raised by Communicator.check() and by calls on a broken or closed communicator."""
+
+
+class BrokenExchange(CommunicatorError):
+    """The exchange failed part-way: the communicator that raised it is unusable from then on."""
 
 
 class PeerFailed(CommunicatorError):
@@ -137,10 +141,6 @@ class GlooExchange:
                 dist.destroy_process_group(self.group)
             except (ValueError, RuntimeError):  # already gone with the default group
                 pass
-
-
-class BrokenExchange(CommunicatorError):
-    """The exchange failed part-way: the communicator that raised it is unusable from then on."""
 
 
 # ------------------------------------------------------------------------------------------ in process
