@@ -149,10 +149,10 @@ def test_cpu_ranks_with_different_tokens_rejected():
     with pytest.raises(ValueError, match=r"rank 1 was called with T = 2 but rank 0 with T = 3"):
         world.all_reduce([parts[0], parts[1][:2]])
     pieces, norm_w = _moe_pieces(2, 2, 4, 64, "cpu", seed=3)
-    partials = [attnres.moe_finalize(r, w, i, eps=0.0) for r, w, i in pieces]
+    rows, weights, index = pieces[1]
+    pieces[1] = (rows, weights[:1], index[:1])  # rank 1 really calls with T = 1: the world reduces what it passes
     with pytest.raises(ValueError, match=r"rank 1 was called with T = 1 but rank 0 with T = 2"):
-        world.run(lambda c, piece: attnres.moe_finalize_all_reduce(c, *piece, norm_w, eps=1e-5), pieces,
-                  gathered=[partials[0], partials[1][:1]])
+        world.run(lambda c, piece: attnres.moe_finalize_all_reduce(c, *piece, norm_w, eps=1e-5), pieces)
     for b, a in zip(before, _state_snapshot(world)):
         assert torch.equal(b, a)
     world.close()
@@ -297,12 +297,9 @@ def test_moe_finalize_all_reduce_rejections(device):
     pieces, norm_w = _moe_pieces(W, T, k, D, device, seed=9)
     rows, weights, index = pieces[0]
     world = InProcessWorld(W, 4, D, device=device)
-    c = world.comms[0]
-    staged = [torch.zeros(T, D, dtype=BF16)] * W
 
-    def call(r, w, i, nw=norm_w, comm=c):
-        world.run(lambda cc, _: attnres.moe_finalize_all_reduce(cc, r, w, i, nw, eps=1e-5) if cc is comm else None,
-                  [None] * W, gathered=staged)
+    def call(r, w, i, nw=norm_w):  # every rank makes the same bad call (the world reduces what ranks pass)
+        world.run(lambda cc, _: attnres.moe_finalize_all_reduce(cc, r, w, i, nw, eps=1e-5), [None] * W)
 
     padded = torch.zeros(T, k + 3, device=device)[:, :k]
     padded.copy_(weights)
@@ -319,7 +316,7 @@ def test_moe_finalize_all_reduce_rejections(device):
     with pytest.raises(ValueError, match="communicator's width"):
         wide = InProcessWorld(W, 4, 2 * D, device=device)
         wide.run(lambda cc, _: attnres.moe_finalize_all_reduce(cc, rows, weights, index, norm_w, eps=1e-5),
-                 [None] * W, gathered=[torch.zeros(T, 2 * D, dtype=BF16)] * W)
+                 [None] * W)
     assert all(int(cc.state[0]) == 0 for cc in world.comms)
     world.close()
 

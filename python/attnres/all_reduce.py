@@ -32,7 +32,7 @@ from ._attn_ops import check_bank_storage, fake_check
 from .ops import check_bank_in_storage
 from ._registry import custom_op, note_writes
 from ._tensors import ABSENT, _hint, fake_refs, ref, stream_of
-from .moe_gate import token_gate
+from .moe_gate import finalize_decline, gate_device, gate_dtypes, token_gate
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
 
 KERNELS = ("auto", "cpu", "single_cta")
@@ -403,25 +403,31 @@ def supports_moe_finalize_all_reduce(tokens: int, k: int, hidden: int, world_siz
                                      dtypes: tuple[torch.dtype, torch.dtype] = (torch.bfloat16, torch.float32),
                                      device="cpu", *, max_tokens: int | None = None) -> tuple[bool, str]:
     """(True, "") when moe_finalize_all_reduce takes T = tokens, k routes, D = hidden over world_size ranks with
-    dtypes (rows, weights) on `device`; else (False, why). The token gate is
-    ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS (attnres.knobs); `max_tokens` overrides it for one query."""
-    gate = token_gate("supports_moe_finalize_all_reduce", "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS", max_tokens,
-                      tokens=tokens, k=k, hidden=hidden, world_size=world_size)
+    dtypes (rows, weights) on `device` (a torch device or a described GPU, as supports_fused_moe_finalize takes);
+    else (False, why). The token gate is ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS (attnres.knobs); `max_tokens`
+    overrides it for one query. Arguments no path can compute raise ArgumentError (moe_gate.token_gate)."""
+    op = "supports_moe_finalize_all_reduce"
+    gate = token_gate(op, "ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS", max_tokens, tokens=tokens, k=k,
+                      hidden=hidden, world_size=world_size)
+    rows_dtype, weights_dtype = gate_dtypes(op, dtypes)
     if gate == 0:
         return False, "the fused finalize + all-reduce is disabled (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS=0)"
     if tokens > gate:
         return False, f"T = {tokens} is above the token gate {gate} (ATTNRES_MOE_FINALIZE_ALLREDUCE_MAX_TOKENS)"
     if world_size not in MOE_WORLD_SIZES:
         return False, f"world size {world_size} has no fused kernel ({_WORLDS_TEXT})"
-    if dtypes[0] != torch.bfloat16:
-        return False, f"rows are {dtypes[0]} (the kernel reads bfloat16)"
-    if dtypes[1] not in (torch.float32, torch.bfloat16):
-        return False, f"weights are {dtypes[1]} (the kernel reads float32 or bfloat16)"
+    if rows_dtype != torch.bfloat16:
+        return False, f"rows are {rows_dtype} (the kernel reads bfloat16)"
+    if weights_dtype not in (torch.float32, torch.bfloat16):
+        return False, f"weights are {weights_dtype} (the kernel reads float32 or bfloat16)"
     if not 1 <= k <= _MAX_ROUTES:
         return False, f"k = {k} is outside [1, {_MAX_ROUTES}]"
     if hidden % _WIDTH_MULTIPLE != 0 or hidden > _MAX_WIDTH:
         return False, f"D = {hidden} is not a multiple of {_WIDTH_MULTIPLE} in [{_WIDTH_MULTIPLE}, {_MAX_WIDTH}]"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not _C.cuda_backend_built():
-        return False, "attnres was built without the CUDA backend"
-    return True, ""
+    # The device as the finalize's gate reads it (a described GPU, a missing cuda:N), then the finalize's own plan
+    # on it (T, D and the device's declines): the fused kernel is that finalize with the exchange inside.
+    info, why = gate_device(device)
+    if info is None:
+        return False, why
+    decline = finalize_decline(tokens, k, hidden, (rows_dtype, weights_dtype), info)
+    return (False, decline) if decline else (True, "")

@@ -8,11 +8,13 @@ a rank called with another T than its peers is detected on every rank (Communica
 * `Communicator.create(capacity, width, group=...)` — one rank of a torch.distributed group (collective). On
   CUDA the regions are exchanged as CUDA IPC handles (`untyped_storage()._share_cuda_()`, gathered with
   all_gather_object, opened with `UntypedStorage._new_shared_cuda`); this works for W processes on W GPUs and
-  for W processes on one GPU. On the CPU (gloo) nothing is mapped: each call gathers the partials with
-  torch.distributed and the CPU backend reduces them in rank order.
+  for W processes on one GPU. On the CPU (gloo) nothing is mapped: each call first agrees with every rank on
+  the call (op, T, D, dtype), then gathers the partials over the communicator's own gloo group, every wait bounded
+  by timeout_s (exchange.py), and the CPU backend reduces them in rank order.
 * `InProcessWorld(world_size, capacity, width, device)` — W ranks in one process: on CUDA the W regions on
-  one device, each rank's kernel on its own stream (single-GPU timing and tests); on the CPU the world
-  reduces the ranks' partials together.
+  one device, each rank's kernel on its own stream (single-GPU timing and tests), the calls whose ranks cannot
+  all be resident refused (residency.py); on the CPU each rank runs in its own thread and the world reduces what
+  every rank passed. A world serves one call at a time.
 
 Lifetime: allocate before any CUDA-graph capture, keep the communicator alive while any graph that uses it
 exists, `close()` it explicitly; every use after close raises. One communicator serves every layer (outputs
@@ -21,105 +23,101 @@ are the caller's). NVLink multicast is never used.
 
 from __future__ import annotations
 
-import math
+import threading
 
 import torch
 from torch import Tensor
 
 from .. import _C
-from ..errors import AttnResError
+from . import arguments
+from .exchange import (BrokenExchange, CommunicatorError, GlooExchange, InProcessExchange, PeerFailed,
+                       check_same_tokens, exchange_group)
+from .residency import check_resident
 
 SLOTS = _C.limits["all_reduce_slots"]
 SENTINEL_BITS = -32768  # int16 view of bf16 -0.0 (0x8000)
 DEFAULT_TIMEOUT_S = 10.0  # generous: W processes on one GPU progress only at context switches
 STATE_WORDS = _C.ALL_REDUCE_STATE_WORDS
-MAX_WORLD = _C.limits["all_reduce_max_world"]
-MAX_WIDTH = _C.limits["all_reduce_max_width"]
-WIDTH_MULTIPLE = _C.limits["all_reduce_width_multiple"]
 HEADER_ROWS = _C.ALL_REDUCE_HEADER_ROWS
-
-
-class CommunicatorError(AttnResError):
-    """The exchange failed on the device (a rank did not arrive within the bound), or the communicator is
-    unusable. Raised by Communicator.check() and by calls on a broken or closed communicator."""
+MAX_WORLD, MAX_WIDTH, WIDTH_MULTIPLE = arguments.MAX_WORLD, arguments.MAX_WIDTH, arguments.WIDTH_MULTIPLE
+__all__ = ["Communicator", "CommunicatorError", "InProcessWorld", "check_same_tokens"]
 
 
 def _region(world_size: int, capacity: int, width: int, device) -> Tensor:
-    region = torch.empty((SLOTS, world_size, capacity + HEADER_ROWS, width), dtype=torch.bfloat16, device=device)
+    shape = (SLOTS, world_size, capacity + HEADER_ROWS, width)
+    try:
+        region = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise _C.ArgumentError(f"Communicator: capacity {capacity} x width {width} x {world_size} ranks needs a "
+                               f"{list(shape)} bf16 region per rank, which {device} cannot allocate: "
+                               f"{str(e).splitlines()[0]}") from None
     region.view(torch.int16).fill_(SENTINEL_BITS)
     return region
 
 
-def check_same_tokens(op: str, tokens: list[int]) -> None:
-    """Every rank's T of one call (rank order): ArgumentError naming the first rank that differs from rank 0."""
-    for r, t in enumerate(tokens):
-        if t != tokens[0]:
-            raise _C.ArgumentError(
-                f"{op}: rank {r} was called with T = {t} but rank 0 with T = {tokens[0]}: every rank must call "
-                "every all-reduce with the same T")
+def _check_shape_args(world_size, capacity, width, timeout_s) -> None:
+    """The shape and timeout rules alone (tests/test_limits_python.py holds them to the library's limits)."""
+    arguments.shape("Communicator", world_size, capacity, width)
+    arguments.timeout_ns("Communicator", timeout_s)
 
 
-def _check_shape_args(world_size: int, capacity: int, width: int, timeout_s: float) -> None:
-    if not isinstance(world_size, int) or not 1 <= world_size <= MAX_WORLD:
-        raise _C.ArgumentError(f"Communicator: world_size must be an int in [1, {MAX_WORLD}], got {world_size!r}")
-    if not isinstance(capacity, int) or capacity < 1:
-        raise _C.ArgumentError(f"Communicator: capacity must be an int >= 1 (tokens per call), got {capacity!r}")
-    if not isinstance(width, int) or not (WIDTH_MULTIPLE <= width <= MAX_WIDTH and width % WIDTH_MULTIPLE == 0):
-        raise _C.ArgumentError(f"Communicator: width must be a multiple of {WIDTH_MULTIPLE} in [{WIDTH_MULTIPLE}, "
-                               f"{MAX_WIDTH}], got {width!r}")
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise _C.ArgumentError(f"Communicator: timeout_s must be finite and > 0, got {timeout_s!r}")
+def _checked(owner: str, world_size, capacity, width, timeout_s, device) -> tuple:
+    """(world_size, capacity, width, timeout_s, device), each checked (arguments.py): raises before anything is
+    allocated or exchanged."""
+    world_size, capacity, width = arguments.shape(owner, world_size, capacity, width)
+    arguments.timeout_ns(owner, timeout_s)
+    return world_size, capacity, width, float(timeout_s), arguments.device(owner, device)
 
 
 class Communicator:
-    """One rank's view: its own region and state, every rank's region as this process addresses it."""
+    """One rank's view: its own region and state, every rank's region as this process addresses it.
+
+    On the CPU, `exchange(op, partial)` hands every rank's partial to this rank (gloo: GlooExchange; in-process:
+    the world's call); on CUDA the kernels exchange through the regions, and an in-process world's `world` refuses
+    the calls its ranks cannot all hold resident."""
 
     def __init__(self, *, rank: int, world_size: int, capacity: int, width: int, device: torch.device,
-                 regions: list[Tensor] | None, state: Tensor, timeout_s: float, gather_fn=None, keep=()):
-        _check_shape_args(world_size, capacity, width, timeout_s)
-        if not 0 <= rank < world_size:
-            raise _C.ArgumentError(f"Communicator: rank must be in [0, {world_size}), got {rank}")
+                 regions: list[Tensor] | None, state: Tensor, timeout_s: float, exchange=None, keep=(),
+                 world: "InProcessWorld | None" = None):
+        world_size, capacity, width, timeout_s, device = _checked("Communicator", world_size, capacity, width,
+                                                                  timeout_s, device)
+        rank = arguments.count("Communicator", "rank", rank, 0, world_size - 1)
         self.rank, self.world_size, self.capacity, self.width = rank, world_size, capacity, width
-        self.device = torch.device(device)
-        self.timeout_s = float(timeout_s)
+        self.device = device
+        self.timeout_s = timeout_s
         self._regions = regions
         self._state = state
-        self._gather_fn = gather_fn
+        self._exchange = exchange
+        self._world = world
         self._keep = list(keep)  # IPC-opened storages: mapped as long as this communicator is open
         self._closed = False
+        self._broken: str | None = None  # why an exchange failed part-way (CPU): every later call raises it
 
     # ---------------------------------------------------------------- construction
     @classmethod
     def create(cls, capacity: int, width: int, *, group=None, device=None,
                timeout_s: float = DEFAULT_TIMEOUT_S) -> "Communicator":
-        """Collective over `group` (default: the default group). CUDA: device defaults to the current one."""
+        """Collective over `group` (default: the default group). CUDA: device defaults to the current one. CPU:
+        collective over the default group (the exchange's own gloo group is created with new_group)."""
         import torch.distributed as dist
 
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        _check_shape_args(world, capacity, width, timeout_s)
         backend = dist.get_backend(group)
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        device = torch.device(device)
+        world, capacity, width, timeout_s, device = _checked("Communicator.create", world, capacity, width,
+                                                             timeout_s, device)
         # Every rank must agree on the layout: a mismatch raises on every rank, before anything is mapped.
         shapes = [None] * world
         dist.all_gather_object(shapes, (capacity, width, device.type), group=group)
         if any(s != shapes[0] for s in shapes):
-            raise _C.ArgumentError(f"Communicator.create: ranks disagree on (capacity, width, device type): {shapes}")
+            raise _C.ArgumentError(f"Communicator.create: ranks disagree on (capacity, width, device type): "
+                                   f"{shapes}")
         state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
         if device.type == "cpu":
-            def gather(partial: Tensor) -> Tensor:
-                # Every rank's T first (one small collective): a mismatch raises on every rank, nothing written.
-                shape = torch.tensor(list(partial.shape[-2:]) if partial.dim() >= 2 else [0, 0], dtype=torch.int64)
-                shapes = [torch.empty_like(shape) for _ in range(world)]
-                dist.all_gather(shapes, shape, group=group)
-                check_same_tokens("all_reduce", [int(s[0]) for s in shapes])
-                parts = [torch.empty_like(partial) for _ in range(world)]
-                dist.all_gather(parts, partial.contiguous(), group=group)
-                return torch.stack(parts)
-
+            exchange = GlooExchange(exchange_group(group, timeout_s), rank, world, timeout_s)
             return cls(rank=rank, world_size=world, capacity=capacity, width=width, device=device, regions=None,
-                       state=state, timeout_s=timeout_s, gather_fn=gather)
+                       state=state, timeout_s=timeout_s, exchange=exchange)
         own = _region(world, capacity, width, device)
         torch.cuda.synchronize(device)  # the sentinel fill is done before any peer can write
         handles = [None] * world
@@ -141,6 +139,9 @@ class Communicator:
     def check_open(self, op: str = "Communicator") -> None:
         if self._closed:
             raise CommunicatorError(f"{op}: the communicator is closed")
+        if self._broken is not None:
+            raise CommunicatorError(f"{op}: the communicator is unusable since an earlier exchange failed: "
+                                    f"{self._broken}")
 
     @property
     def state(self) -> Tensor:
@@ -154,18 +155,24 @@ class Communicator:
 
     def op_args(self) -> tuple[int, int, int, int, int]:
         self.check_open()
-        return (self.world_size, self.rank, self.capacity, self.width, int(self.timeout_s * 1e9))
+        return (self.world_size, self.rank, self.capacity, self.width, arguments.timeout_ns("Communicator",
+                                                                                              self.timeout_s))
 
     def gather(self, partial: Tensor, op: str) -> Tensor | None:
-        """CPU: every rank's partial, [W, T, D] in rank order (collective); CUDA: None (the kernel exchanges)."""
+        """CPU: every rank's partial, [W, T, D] in rank order (collective: every rank first agrees on the call,
+        exchange.py); CUDA: None (the kernel exchanges), after an in-process world's residency check."""
         self.check_open(op)
         if self.device.type != "cpu":
+            if self._world is not None and isinstance(partial, Tensor) and partial.dim() == 2:
+                check_resident(op, self.world_size, partial.shape[0], self.width, self.device)
             return None
-        if self._gather_fn is None:
+        if self._exchange is None:
             raise CommunicatorError(f"{op}: an in-process CPU rank cannot reduce alone; call its InProcessWorld")
-        if partial.device.type != "cpu":
-            raise _C.ArgumentError(f"{op}: partial is on {partial.device} but the communicator is on cpu")
-        return self._gather_fn(partial)
+        try:
+            return self._exchange(op, partial)
+        except BrokenExchange as e:
+            self._broken = str(e)
+            raise
 
     def region(self, rank: int | None = None) -> Tensor:
         """Rank `rank`'s region [3, W, capacity + 1, width] as this process addresses it (row `capacity` of each
@@ -179,7 +186,7 @@ class Communicator:
         return int(self.state[0].item()) & 0xFFFFFFFF
 
     def check(self) -> None:
-        """Raises CommunicatorError if an exchange on this rank timed out (synchronizes)."""
+        """Raises CommunicatorError if an exchange on this rank timed out or failed (synchronizes)."""
         self.check_open()
         words = self._state.cpu().tolist()
         generation = words[0] & 0xFFFFFFFF
@@ -205,7 +212,9 @@ class Communicator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._closed = True
-        self._regions, self._keep, self._state, self._gather_fn = None, [], None, None
+        if isinstance(self._exchange, GlooExchange):
+            self._exchange.close()
+        self._regions, self._keep, self._state, self._exchange = None, [], None, None
 
     @property
     def closed(self) -> bool:
@@ -246,8 +255,9 @@ class InProcessWorld:
     synchronize): each stream gets a warm allocator cache at creation (_reserve_cached_memory), and a long run
     should capture one CUDA graph per rank and replay them on the ranks' streams (bench/allreduce.py
     capture_ranks / replay_ranks). (2) Every rank's exchanging blocks must be resident at once, beside the
-    blocks each rank's next kernel holds while it waits under PDL: keep T small (the benchmark stays at
-    T <= 32) and keep the persistent topology (one block on every SM) out of a world's calls. (3) A kernel's
+    blocks each rank's next kernel holds while it waits under PDL: the calls that cannot be are refused up front
+    (residency.py: UnsupportedError naming the largest T), and keep the persistent topology (one block on every
+    SM) out of a world's calls. (3) A kernel's
     first launch in the process loads it (CUDA's lazy loading), which may synchronize the context: a kernel
     first launched after one rank's exchange (the plain op of the two-kernel site) is the most likely cause of
     an eager call that stalled on the H200, so run each op once outside the world's exchanges (or capture graphs, whose instantiation loads
@@ -255,19 +265,21 @@ class InProcessWorld:
 
     def __init__(self, world_size: int, capacity: int, width: int, *, device="cpu",
                  timeout_s: float = DEFAULT_TIMEOUT_S):
-        _check_shape_args(world_size, capacity, width, timeout_s)
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        world_size, capacity, width, timeout_s, device = _checked("InProcessWorld", world_size, capacity, width,
+                                                                  timeout_s, device)
         self.device = device
         self.world_size = world_size
+        self.timeout_s = timeout_s
         regions = [_region(world_size, capacity, width, device) for _ in range(world_size)] \
             if device.type == "cuda" else None
-        self._pending: dict[int, Tensor] = {}
+        self._lock = threading.Lock()  # one call at a time: two callers' ranks would pair with each other's
+        self._call: InProcessExchange | None = None
+        self._threads: dict[int, int] = {}  # thread id -> the rank it runs, during a CPU call
         self.comms = [
             Communicator(rank=r, world_size=world_size, capacity=capacity, width=width, device=device,
                          regions=regions, state=torch.zeros(STATE_WORDS, dtype=torch.int32, device=device),
-                         timeout_s=timeout_s, gather_fn=self._gather_fn(r) if device.type == "cpu" else None)
+                         timeout_s=timeout_s, world=self,
+                         exchange=self._rank_exchange(r) if device.type == "cpu" else None)
             for r in range(world_size)]
         self.streams = [torch.cuda.Stream(device) for _ in range(world_size)] if device.type == "cuda" else []
         if device.type == "cuda":
@@ -275,35 +287,74 @@ class InProcessWorld:
                 _reserve_cached_memory(stream, device)
             torch.cuda.synchronize(device)
 
-    def _gather_fn(self, rank: int):
-        def gather(partial: Tensor) -> Tensor:
-            if self._staged is None:
-                raise CommunicatorError("InProcessWorld: a CPU rank's call must go through InProcessWorld.run")
-            return self._staged
+    def _rank_exchange(self, rank: int):
+        def exchange(op: str, partial) -> Tensor:
+            call = self._call
+            if call is None or self._threads.get(threading.get_ident()) != rank:
+                raise CommunicatorError(f"{op}: rank {rank} of an in-process CPU world must be called through "
+                                        "InProcessWorld.run (its own rank's call there)")
+            return call(op, rank, partial)
 
-        return gather
-
-    _staged: Tensor | None = None
+        return exchange
 
     def run(self, fn, inputs: list, gathered: list[Tensor] | None = None) -> list:
-        """fn(comm, inputs[r]) for every rank r, returns the results in rank order. CPU: `gathered` (default:
-        the inputs themselves) is staged as every rank's gathered partials; CUDA: rank r runs on streams[r],
-        each stream first waits for the current stream (inputs ready) and the current stream then waits for
-        every rank's stream."""
-        partials = inputs
-        if len(inputs) != self.world_size:
-            raise _C.ArgumentError(f"InProcessWorld: {len(inputs)} inputs for {self.world_size} ranks")
-        if self.device.type == "cpu":
-            staged = inputs if gathered is None else gathered
-            check_same_tokens("all_reduce", [p.shape[-2] if p.dim() >= 2 else 0 for p in staged])
-            self._staged = torch.stack([p.contiguous() for p in staged])
+        """fn(comm, inputs[r]) for every rank r, returns the results in rank order. One call at a time: a call
+        while another thread's is running raises CommunicatorError.
+
+        CPU: each rank runs in its own thread, and what every rank's op passes is exchanged and reduced (bounded
+        by timeout_s); `gathered`, if given, is what each rank is expected to pass (a rank passing anything else
+        raises). A failing rank's error is raised (the lowest such rank's). CUDA: rank r runs on streams[r], each
+        stream first waits for the current stream (inputs ready) and the current stream then waits for every
+        rank's stream."""
+        if not isinstance(inputs, (list, tuple)) or len(inputs) != self.world_size:
+            raise _C.ArgumentError(f"InProcessWorld: {len(inputs) if isinstance(inputs, (list, tuple)) else inputs!r} "
+                                   f"inputs for {self.world_size} ranks")
+        if gathered is not None and (not isinstance(gathered, (list, tuple)) or len(gathered) != self.world_size):
+            raise _C.ArgumentError(f"InProcessWorld: gathered must hold one partial per rank ({self.world_size})")
+        if not self._lock.acquire(blocking=False):
+            raise CommunicatorError("InProcessWorld: another call is running on this world (another thread, or a "
+                                    "call made from inside run); a world serves one call at a time")
+        try:
+            return self._run_cpu(fn, inputs, gathered) if self.device.type == "cpu" else self._run_cuda(fn, inputs)
+        finally:
+            self._lock.release()
+
+    def _run_cpu(self, fn, inputs: list, gathered) -> list:
+        call = InProcessExchange(self.world_size, self.timeout_s, gathered)
+        results: list = [None] * self.world_size
+        errors: list = [None] * self.world_size
+
+        def rank_main(r: int) -> None:
+            self._threads[threading.get_ident()] = r
             try:
-                return [fn(c, p) for c, p in zip(self.comms, partials)]
+                results[r] = fn(self.comms[r], inputs[r])
+            except BaseException as e:  # noqa: BLE001  (re-raised by run, in rank order)
+                errors[r] = e
+                call.abort()  # the other ranks stop waiting for this one
             finally:
-                self._staged = None
+                self._threads.pop(threading.get_ident(), None)
+
+        self._call = call
+        try:
+            threads = [threading.Thread(target=rank_main, args=(r,), name=f"attnres-rank{r}", daemon=True)
+                       for r in range(self.world_size)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            self._call = None
+        # The root cause first: a rank that failed on its own, not one that stopped because a peer failed.
+        failed = [e for e in errors if e is not None and not isinstance(e, PeerFailed)] or \
+            [e for e in errors if e is not None]
+        if failed:
+            raise failed[0]
+        return results
+
+    def _run_cuda(self, fn, inputs: list) -> list:
         current = torch.cuda.current_stream(self.device)
         results = []
-        for c, p, s in zip(self.comms, partials, self.streams):
+        for c, p, s in zip(self.comms, inputs, self.streams):
             s.wait_stream(current)
             with torch.cuda.stream(s):
                 results.append(fn(c, p))

@@ -179,19 +179,39 @@ def _worker(rank: int, world: int, port: int, outdir: str, fn: Callable, args: t
         pickle.dump(result, f)
 
 
-def launch(fn: Callable, nprocs: int, *args) -> list:
+def launch(fn: Callable, nprocs: int, *args, timeout_s: float | None = None, exited_ok: bool = False) -> list:
     """Runs fn(*args) in nprocs spawned processes (ranks 0..nprocs-1 on this host, torchrun's variables set,
     multicast off); returns their results in rank order. A rank that raises makes this raise (the other ranks
-    are terminated). fn must be importable (a module-level function)."""
+    are terminated). fn must be importable (a module-level function).
+
+    timeout_s: the whole run's bound; past it every rank still running is killed and TimeoutError raised (tests
+    use it so that nothing can hang). exited_ok: a rank that exits with status 0 without returning (a fault test's
+    rank that dies mid-call) gives None instead of raising."""
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
+    import time
+
     import torch.multiprocessing as mp
 
     forbid_multicast()
     with tempfile.TemporaryDirectory(prefix="attnres_tp_") as outdir:
-        mp.spawn(_worker, args=(nprocs, free_port(), outdir, fn, args), nprocs=nprocs, join=True)
+        ctx = mp.spawn(_worker, args=(nprocs, free_port(), outdir, fn, args), nprocs=nprocs, join=False)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            while not ctx.join(None if deadline is None else max(deadline - time.monotonic(), 0.0)):
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"launch: the {nprocs} ranks did not finish within {timeout_s:g} s")
+        finally:
+            for p in ctx.processes:  # only this launch's own children, each by its handle
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         results = []
         for r in range(nprocs):
-            with open(os.path.join(outdir, f"rank{r}.pkl"), "rb") as f:
+            path = os.path.join(outdir, f"rank{r}.pkl")
+            if exited_ok and not os.path.exists(path):
+                results.append(None)
+                continue
+            with open(path, "rb") as f:
                 results.append(pickle.load(f))
     return results

@@ -1,0 +1,53 @@
+"""Which calls an InProcessWorld on one GPU can make: every rank's exchanging blocks must be resident at once.
+
+The W ranks of an in-process world are W streams of one GPU, and each rank's exchange spins until every peer's
+partial arrives: a rank whose blocks cannot become resident (the SMs already hold its peers' spinning blocks, and
+under PDL the blocks of each rank's next kernel, waiting) never writes its partial, and every rank waits out its
+bounded wait. Such a call is refused before anything is launched (UnsupportedError naming the limit).
+
+The demand of one call, in threads: each rank's exchange is one thread per 16-byte vector of a token, in blocks
+of the plan's 128 threads (`blocks_per_token` blocks per token); the fused attention site launches its epilogue
+under PDL with the same per-token shape (H / 8 threads per token: the split-K cluster's blocks at H = 7168), so
+it holds twice the exchange's threads. The budget: `sm_count` x RESIDENT_THREADS_PER_SM. Hopper keeps at most
+2048 threads resident per SM, but the spinning exchange and the epilogue's clusters are held back by registers
+and cluster placement before that: on the H200, W = 2 at T = 32 (869 threads per SM) progresses at every site
+and the plain all-reduce at W = 4, T = 32 (869) too, while the fused site at W = 4, T = 32 (1737) stalled. The
+budget is set between them. Ranks on separate GPUs, or in separate processes, are not limited by this.
+"""
+
+from __future__ import annotations
+
+from .. import _C
+
+RESIDENT_THREADS_PER_SM = 1024
+EXCHANGE_THREADS = 128  # the one-shot kernel's block (cpp/src/all_reduce_run.cpp, kThreads)
+VECTOR_ELEMENTS = 8  # bf16 elements per 16-byte vector, one per thread
+# The ops whose CUDA grids hold their blocks resident beside the exchange, and how many exchange-shaped grids
+# each rank holds: the all-reduce alone; the fused site's exchange and its PDL-launched epilogue.
+GRIDS = {"all_reduce": 1, "all_reduce_attn_res_add_rmsnorm": 2}
+
+
+def threads_per_token(op: str, width: int) -> int:
+    blocks = -(-(width // VECTOR_ELEMENTS) // EXCHANGE_THREADS)
+    return GRIDS[op] * blocks * EXCHANGE_THREADS
+
+
+def max_tokens(op: str, world_size: int, width: int, sm_count: int) -> int:
+    """The largest T whose W ranks fit the budget at once (0: not even T = 1)."""
+    return sm_count * RESIDENT_THREADS_PER_SM // (world_size * threads_per_token(op, width))
+
+
+def check_resident(op: str, world_size: int, tokens: int, width: int, device) -> None:
+    """UnsupportedError when W ranks of `op` at T = tokens cannot all be resident on `device` at once."""
+    if op not in GRIDS:
+        return
+    from ..planning import device_info
+
+    sm_count = device_info(device).sm_count
+    limit = max_tokens(op, world_size, width, sm_count)
+    if tokens > limit:
+        raise _C.UnsupportedError(
+            f"{op}: an InProcessWorld of {world_size} ranks on one GPU ({sm_count} SMs) takes at most T = {limit} at "
+            f"width {width} (every rank's blocks must be resident at once: {world_size} x "
+            f"{threads_per_token(op, width)} threads per token within {RESIDENT_THREADS_PER_SM} per SM); got T = "
+            f"{tokens}. Use fewer ranks, fewer tokens per call, or ranks on separate GPUs (docs/tp.md)")
