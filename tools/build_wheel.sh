@@ -70,13 +70,20 @@ for bad in libcudart libtorch libc10 libpython libcuda.so; do
   fi
 done
 if [ "$ATTNRES_CUDA" != OFF ]; then
-  if command -v cuobjdump >/dev/null || [ -x /usr/local/cuda/bin/cuobjdump ]; then
-    cuobjdump=$(command -v cuobjdump || echo /usr/local/cuda/bin/cuobjdump)
+  cuobjdump=$(command -v cuobjdump || true)
+  for dir in "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")" /usr/local/cuda/bin; do
+    [ -z "$cuobjdump" ] && [ -x "$dir/cuobjdump" ] && cuobjdump=$dir/cuobjdump
+  done
+  if [ -n "$cuobjdump" ]; then
     elfs=$("$cuobjdump" --list-elf "$so" 2>/dev/null | grep -o 'sm_[0-9a-z]*' | sort -u | tr '\n' ' ' || true)
     log "device code in the extension: ${elfs:-none}"
     if [ "$ATTNRES_CUDA" = ON ] && [[ $elfs != *sm_$ARCHS* ]]; then
       log "FAILED: no sm_$ARCHS code in the extension"; exit 1
     fi
+  elif readelf -S "$so" | grep nv_fatbin >/dev/null; then
+    log "device code in the extension: a .nv_fatbin section (no cuobjdump here to list its architectures)"
+  elif [ "$ATTNRES_CUDA" = ON ]; then
+    log "FAILED: no device code in the extension"; exit 1
   fi
 fi
 rm -rf "$check"

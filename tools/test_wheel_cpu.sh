@@ -42,7 +42,7 @@ for torch_version in $TORCH_VERSIONS; do
   # The wheel with its dependencies (numpy; torch>=2.4 is already satisfied) and the test extras.
   "$py" -m pip install -q ${find_links[@]+"${find_links[@]}"} "$WHEEL[test]"
   "$py" -m pip check >&2 || true
-  "$py" - "$venv" <<'PY'
+  if ! "$py" - "$venv" <<'PY'
 import sys, sysconfig
 import torch, attnres
 venv = sys.argv[1]
@@ -52,6 +52,10 @@ assert attnres._C.__file__.startswith(site), attnres._C.__file__
 print(f"[test_wheel_cpu] python {sys.version.split()[0]}, torch {torch.__version__}, attnres {attnres.__version__} "
       f"from {attnres.__file__}: {attnres.backend_info()}", file=sys.stderr)
 PY
+  then
+    results+=("torch $torch_version: FAILED (import attnres)"); status=1
+    continue
+  fi
   # -p no:cacheprovider: nothing written into the source tree; the repository's tests, the installed package.
   start=$(date +%s)
   if "$py" -m pytest -p no:cacheprovider "${pytest_args[@]}" "$REPO_ROOT/tests" 2>&1 | tee "$VENV_ROOT/pytest-torch-$torch_version.log" | tail -5; then
