@@ -1,8 +1,9 @@
 # Shared setup of tools/setup_and_test.sh and tools/setup_and_demo.sh (sourced, not run).
 #
 # From a fresh clone on a fresh machine (Debian, Python >= 3.10, gcc, CMake >= 3.24, network to PyPI and
-# Debian; nvcc optional, no GPU needed): the missing Debian packages, a virtual environment in .venv (reused
-# when present), the pinned Python dependencies, then the package itself (CUDA backend when nvcc is found).
+# Debian; nvcc optional, no GPU needed): the missing Debian packages (none, and so no apt and no sudo, when they
+# are present), a virtual environment in .venv (reused when present), the pinned Python dependencies, then the
+# package itself (CUDA backend when nvcc is found) in build/package, shared by both scripts.
 #
 # ATTNRES_NO_VENV=1 is for the GPU machine, which has no network and everything preinstalled (torch,
 # nanobind, scikit-build-core, pytest): the system python3, no apt, no dependency downloads.
@@ -51,27 +52,41 @@ print_phases() {
 }
 trap print_phases EXIT
 
-# Debian packages, installed only when missing (apt-get update once, first). Needs root or sudo.
+# Debian packages, installed only when missing: on a machine that already has them (or the Python dependencies
+# that replace them: ninja comes from the venv) this needs no apt and no sudo, and says so. Arguments: the
+# packages this script needs, each as PACKAGE or PACKAGE:CHECK, where CHECK is a shell test that is true when
+# the package's content is already available some other way. Needs root or sudo only when one is missing.
 install_system_packages() {
   if [ "$ATTNRES_NO_VENV" = 1 ]; then
-    log "ATTNRES_NO_VENV=1: skipping apt"
+    log "ATTNRES_NO_VENV=1: skipping apt (no apt, no sudo)"
     return
   fi
-  local missing=() pkg
-  for pkg in "$@"; do
-    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' || missing+=("$pkg")
+  local missing=() spec pkg check
+  for spec in "$@"; do
+    pkg=${spec%%:*}
+    check=; [ "$pkg" != "$spec" ] && check=${spec#*:}
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q 'install ok installed' && continue
+    [ -n "$check" ] && eval "$check" && continue
+    missing+=("$pkg")
   done
-  # python3 -m venv needs ensurepip, which Debian's own python3 ships separately.
-  if ! python3 -c 'import ensurepip' 2>/dev/null; then
+  # python3 -m venv needs ensurepip, which Debian's own python3 ships separately (only to create .venv).
+  if [ ! -x "$PYTHON" ] && ! python3 -c 'import ensurepip' 2>/dev/null; then
     missing+=("python3-venv")
   fi
   if [ ${#missing[@]} -eq 0 ]; then
-    log "system packages present: $*"
+    if [ $# -eq 0 ]; then
+      log "no system package needed: no apt, no sudo"
+    else
+      log "system packages present (${*%%:*}): no apt, no sudo needed"
+    fi
     return
   fi
   local sudo=()
-  [ "$(id -u)" -eq 0 ] || sudo=(sudo)
-  log "installing: ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    command -v sudo >/dev/null || { log "missing system packages: ${missing[*]} (install them: needs root)"; return 1; }
+    sudo=(sudo)
+  fi
+  log "installing missing system packages with ${sudo[*]:-root} apt-get: ${missing[*]}"
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq
   "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
@@ -82,6 +97,9 @@ if [ "$ATTNRES_NO_VENV" = 1 ]; then
 else
   PYTHON=$REPO_ROOT/.venv/bin/python
 fi
+
+# The venv's tools (ninja from pip) come first on PATH: no ninja-build package needed.
+[ "$ATTNRES_NO_VENV" = 1 ] || export PATH="$REPO_ROOT/.venv/bin:$PATH"
 
 setup_python() {
   if [ "$ATTNRES_NO_VENV" = 1 ]; then
@@ -99,13 +117,22 @@ setup_python() {
 }
 
 # The package, built against the torch/nanobind already installed (no build isolation: an isolated build
-# would download its own, unpinned, copies).
-# PACKAGE_PIP_ARGS: extra pip arguments (setup_and_test.sh builds the C++ tests in the package's build).
-PACKAGE_PIP_ARGS=(${PACKAGE_PIP_ARGS[@]+"${PACKAGE_PIP_ARGS[@]}"})
+# would download its own, unpinned, copies). Both README commands build it in one directory, build/package,
+# with the same options, so the CUDA kernels compile once whichever runs first; setup_and_test.sh adds the
+# GoogleTest suites to that build (ATTNRES_PACKAGE_TESTS=ON: test targets only, the library is not recompiled)
+# and the install rules are always on (the wheel installs only the extension's component).
+PACKAGE_BUILD=build/package
+ATTNRES_PACKAGE_TESTS=${ATTNRES_PACKAGE_TESTS:-OFF}
+PACKAGE_PIP_ARGS=(-C "build-dir=$PACKAGE_BUILD" -C cmake.define.ATTNRES_INSTALL=ON
+                  -C "cmake.define.ATTNRES_BUILD_TESTS=$ATTNRES_PACKAGE_TESTS")
+# The GPU machine cannot apt-get GoogleTest: a prebuilt copy may be carried in .gpu_carry/gtest.
+[ -d "$REPO_ROOT/.gpu_carry/gtest" ] &&
+  PACKAGE_PIP_ARGS+=(-C "cmake.define.CMAKE_PREFIX_PATH=$REPO_ROOT/.gpu_carry/gtest")
 install_package() {
   local no_deps=()
   [ "$ATTNRES_NO_VENV" = 1 ] && no_deps=(--no-deps)
-  "$PYTHON" -m pip install -q --no-build-isolation "${no_deps[@]}" ${PACKAGE_PIP_ARGS[@]+"${PACKAGE_PIP_ARGS[@]}"} .
+  log "building the package in $PACKAGE_BUILD (ATTNRES_CUDA=$ATTNRES_CUDA, C++ tests $ATTNRES_PACKAGE_TESTS)"
+  "$PYTHON" -m pip install -q --no-build-isolation "${no_deps[@]}" "${PACKAGE_PIP_ARGS[@]}" .
   "$PYTHON" -c 'import attnres; print("[attnres] installed", attnres.__version__, attnres.backend_info())' >&2
 }
 

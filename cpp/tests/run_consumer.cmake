@@ -1,5 +1,7 @@
 # ctest's consumer check (cmake -P): install the build at BUILD_DIR into a scratch prefix, then configure,
 # build and run the consumer project at SOURCE_DIR against that prefix only.
+# With ADD_SUBDIRECTORY=<attnres sources> instead: build the consumer with attnres added as a subdirectory (CPU
+# backend), with no CMAKE_BUILD_TYPE given, and check attnres left the consumer's build type unset.
 # Inputs: BUILD_DIR, SOURCE_DIR, WORK_DIR, GENERATOR, CXX_COMPILER, CUDA_COMPILER (empty without CUDA).
 cmake_minimum_required(VERSION 3.24)
 
@@ -15,7 +17,26 @@ function(step what)
   endif()
 endfunction()
 
+if(ADD_SUBDIRECTORY)
+  step("configure (add_subdirectory)" ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${build} -G ${GENERATOR}
+       -DCMAKE_CXX_COMPILER=${CXX_COMPILER} -DATTNRES_SOURCE_DIR=${ADD_SUBDIRECTORY} -DATTNRES_CUDA=OFF)
+  file(STRINGS ${build}/CMakeCache.txt build_type REGEX "^CMAKE_BUILD_TYPE:")
+  if(NOT build_type MATCHES "^CMAKE_BUILD_TYPE:[A-Z]*=$")
+    message(FATAL_ERROR "consumer check: attnres under add_subdirectory set the parent's build type: ${build_type}")
+  endif()
+  step("build" ${CMAKE_COMMAND} --build ${build})
+  step("run" ${build}/attnres_consumer)
+  message(STATUS "consumer check: add_subdirectory(attnres) built and ran; the parent's build type stayed unset")
+  return()
+endif()
+
 step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+# A C++ install holds the library, headers and package config only: the Python extension (component "python",
+# installed by the wheel) must not land in the C++ prefix, even when this build also built it.
+file(GLOB_RECURSE extension RELATIVE ${prefix} ${prefix}/*_C.*so ${prefix}/*.py)
+if(extension)
+  message(FATAL_ERROR "consumer check: cmake --install put Python files into the C++ prefix: ${extension}")
+endif()
 
 set(configure ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${build} -G ${GENERATOR}
     -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER}

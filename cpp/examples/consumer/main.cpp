@@ -1,4 +1,6 @@
-// Downstream use of attnres through its public C++ API only: one fused decode epilogue on the CPU backend.
+// Downstream use of attnres through its public C++ API only: one fused decode epilogue on the CPU backend and,
+// when attnres was built with its CUDA backend, the same call on device pointers and a cudaStream_t
+// (cuda_call.cpp; skipped with a message on a machine without a compute capability >= 9.0 GPU).
 // Checks `updated` == layer_residual + layer_residual_add element by element (bf16 round to nearest even)
 // and that `output` is finite; exits 0 on success.
 #include <attnres/attnres.hpp>
@@ -24,6 +26,36 @@ uint16_t to_bf16(float f) {
   std::memcpy(&u, &f, sizeof u);
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace
+
+#ifdef ATTNRES_CONSUMER_CUDA
+// cuda_call.cpp: copies the inputs to the GPU, runs the op on a stream, copies `updated` and `output` back.
+// Returns 0 on success (or when no suitable GPU is present: it says so), 1 on a CUDA or attnres error.
+int run_on_cuda(int64_t T, int64_t K, int64_t H, const std::vector<const std::vector<uint16_t>*>& inputs,
+                std::vector<uint16_t>& updated, std::vector<uint16_t>& output, bool& ran);
+#endif
+
+namespace {
+
+int check(const char* where, int64_t n, const std::vector<uint16_t>& prefix, const std::vector<uint16_t>& add,
+          const std::vector<uint16_t>& updated, const std::vector<uint16_t>& output) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint16_t want = to_bf16(to_f32(prefix[i]) + to_f32(add[i]));
+    if (updated[i] != want) {
+      std::fprintf(stderr, "%s: updated[%lld] = 0x%04x, expected 0x%04x\n", where, static_cast<long long>(i),
+                   updated[i], want);
+      return 1;
+    }
+    if (!std::isfinite(to_f32(output[i]))) {
+      std::fprintf(stderr, "%s: output[%lld] is not finite\n", where, static_cast<long long>(i));
+      return 1;
+    }
+  }
+  std::printf("ok (%s): updated == layer_residual + layer_residual_add for %lld elements\n", where,
+              static_cast<long long>(n));
+  return 0;
 }
 
 }  // namespace
@@ -66,17 +98,17 @@ int main() {
     return 1;
   }
 
-  for (int64_t i = 0; i < T * H; ++i) {
-    const uint16_t want = to_bf16(to_f32(prefix[i]) + to_f32(add[i]));
-    if (updated[i] != want) {
-      std::fprintf(stderr, "updated[%lld] = 0x%04x, expected 0x%04x\n", static_cast<long long>(i), updated[i], want);
-      return 1;
-    }
-    if (!std::isfinite(to_f32(output[i]))) {
-      std::fprintf(stderr, "output[%lld] is not finite\n", static_cast<long long>(i));
-      return 1;
-    }
-  }
-  std::printf("ok: updated == layer_residual + layer_residual_add for %lld elements\n", static_cast<long long>(T * H));
+  if (check("cpu", T * H, prefix, add, updated, output) != 0) return 1;
+
+#ifdef ATTNRES_CONSUMER_CUDA
+  std::vector<uint16_t> updated_gpu(T * H), output_gpu(T * H);
+  bool ran = false;
+  if (run_on_cuda(T, K, H, {&prefix, &add, &bank, &res_weight, &rms_weight, &norm_weight}, updated_gpu, output_gpu,
+                  ran) != 0)
+    return 1;
+  if (ran && check("cuda", T * H, prefix, add, updated_gpu, output_gpu) != 0) return 1;
+#else
+  std::printf("attnres built without its CUDA backend: CPU call only\n");
+#endif
   return 0;
 }
