@@ -4,21 +4,26 @@
 # wheel with its [test] extras from the package registry, then the pytest suite runs against the INSTALLED wheel
 # (from a scratch directory, checked to import attnres from the venv's site-packages, never the source tree).
 #
-#   tools/test_wheel_cpu.sh dist/attnres-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl            # torch 2.4.0 and 2.15.0
+#   tools/test_wheel_cpu.sh dist/attnres-0.1.0-cp311-cp311-manylinux_2_34_x86_64.whl            # torch 2.7.0 and 2.15.0
 #   TORCH_VERSIONS="2.13.0" tools/test_wheel_cpu.sh dist/attnres-….whl
 #
 # Environment: PYTHON (the interpreter the wheel was built for; default python3), TORCH_VERSIONS (default
-# "2.4.0 2.15.0": pyproject's floor, and the newest release on PyPI when this was written), VENV_ROOT (default
-# /tmp/attnres-wheel-venvs: one venv per torch version, rebuilt each run), FIND_LINKS (directories of
-# pre-downloaded wheels, e.g. torch's; space-separated), PYTEST_ARGS (default "-q -n 2"). PyPI's torch wheels for Linux are CUDA
-# builds (several GB with their nvidia-* dependencies); they run on the CPU like the CPU builds.
+# "2.7.0 2.15.0": the oldest torch the package works with, and the newest release on PyPI when this was written;
+# 2.4 fails at import, 2.5 and 2.6 under torch.compile), VENV_ROOT (default /tmp/attnres-wheel-venvs: one venv
+# per torch version, rebuilt each run; the pytest logs land there too), FIND_LINKS (directories of
+# pre-downloaded wheels, e.g. torch's; space-separated), PYTEST_ARGS (default "-q -n 2"). PyPI's torch wheels
+# for Linux are CUDA builds (several GB with their nvidia-* dependencies); they run on the CPU like the CPU
+# builds, except that torch.device(0) then means cuda:0: tests/test_plan.py::
+# test_plan_accepts_every_device_form_it_did expects a CPU build of torch on a machine without a GPU, and fails.
+# Where pip's configuration caps torch (this development machine: /etc/xdg/pip/constraints.txt, torch<=2.14.1),
+# run with PIP_CONSTRAINT=/dev/null for 2.15.0.
 # This is a script to run by hand, not part of CI (two torch downloads and two full test runs).
 set -euo pipefail
 REPO_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 [ $# -eq 1 ] || { echo "usage: tools/test_wheel_cpu.sh WHEEL" >&2; exit 2; }
 WHEEL=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 PYTHON=${PYTHON:-python3}
-TORCH_VERSIONS=${TORCH_VERSIONS:-2.4.0 2.15.0}
+TORCH_VERSIONS=${TORCH_VERSIONS:-2.7.0 2.15.0}
 VENV_ROOT=${VENV_ROOT:-/tmp/attnres-wheel-venvs}
 read -r -a pytest_args <<<"${PYTEST_ARGS:--q -n 2}"
 find_links=()
