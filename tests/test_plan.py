@@ -409,8 +409,9 @@ def test_plan_accepts_every_device_form_it_did():
     described = attnres.plan("attn_res_add_rmsnorm", tokens=4096, candidates=9, hidden=7168, device=props, add=True)
     assert described == attnres.plan("attn_res_add_rmsnorm", tokens=4096, candidates=9, hidden=7168, device="h200",
                                      add=True)
-    # A device index, as torch.device takes it (the current accelerator's; without one, a clear error).
-    if torch.cuda.is_available():
+    # A device index, as torch.device takes it (a CUDA build's index names cuda:N, GPU or not; a CPU build has no
+    # accelerator for it: a clear error).
+    if torch.device(0).type == "cuda":
         assert attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device=0) == \
             attnres.plan("attn_res", tokens=4, candidates=3, hidden=64, device="cuda:0")
     else:
