@@ -124,12 +124,31 @@ TEST(AllReduceRejections, Output) {
       "all_reduce: output overlaps input");
 }
 
-// A CUDA communicator (validation only: the addresses are never dereferenced).
+// A CUDA communicator (validation only: the addresses are never dereferenced), registered as
+// attnres.tp.Communicator registers its own: the library launches only on registered communicators.
+constexpr int64_t kRegionBytes = 3 * kW * (kCapacity + 1) * kD * 2;
+
+TensorRef cuda_state() {
+  return make_ref(reinterpret_cast<void*>(0x30000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+}
+
+CommRef registered_cuda_comm() {
+  CommRef m;
+  m.world_size = kW;
+  m.rank = 0;
+  m.capacity = kCapacity;
+  m.width = kD;
+  m.device = Device{DeviceType::cuda, 0};
+  m.buffers[0] = 0x100000;
+  m.buffers[1] = 0x200000;
+  m.state = 0x30000;
+  static const int64_t handle = register_communicator(m, cuda_state(), kRegionBytes);
+  (void)handle;
+  return m;
+}
+
 void cuda_comm(Call& c) {
-  c.args.comm.device = Device{DeviceType::cuda, 0};
-  c.args.comm.buffers[0] = 0x10000;
-  c.args.comm.buffers[1] = 0x20000;
-  c.args.comm.state = 0x30000;
+  c.args.comm = registered_cuda_comm();
   c.args.gathered = TensorRef{};
   c.args.input = make_ref(reinterpret_cast<void*>(0x40000), DType::bf16, c.args.comm.device, {kT, kD});
   c.args.output = make_ref(reinterpret_cast<void*>(0x50000), DType::bf16, c.args.comm.device, {kT, kD});
@@ -155,7 +174,7 @@ TEST(AllReduceRejections, CudaCommunicatorBuffersAndState) {
   }
   // A closed communicator's equivalent in C++: no buffers, no state.
   expect_cuda_rejected([](Call& c) { c.args.comm.buffers[1] = 0; }, "all_reduce: comm.buffers has no buffer for rank 1");
-  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[0] = 0x10008; },
+  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[0] = 0x100008; },
                        "all_reduce: comm.buffers buffer of rank 0 is not 16-byte aligned");
   expect_cuda_rejected([](Call& c) { c.args.comm.state = 0; }, "all_reduce: comm.state is required on CUDA");
   expect_cuda_rejected([](Call& c) { c.args.comm.state = 0x30004; }, "all_reduce: comm.state must be 16-byte aligned");
@@ -179,6 +198,57 @@ TEST(AllReduceRejections, CudaInputs) {
         c.args.input = make_ref(reinterpret_cast<void*>(0x40000), DType::bf16, c.args.comm.device, {kT, 32});
       },
       "all_reduce: input has D = 32 but the communicator's width is 64");
+}
+
+// Forged addresses: a CommRef that differs from every registered one in any address or field is refused.
+TEST(AllReduceRejections, UnregisteredCudaCommunicator) {
+  const std::string msg = "all_reduce: comm is not a registered communicator (register_communicator; "
+                          "attnres.tp.Communicator): the kernels write only buffers and state the library has recorded";
+  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[1] = 0x300000; }, msg);
+  expect_cuda_rejected([](Call& c) { c.args.comm.state = 0x40010; }, msg);
+  expect_cuda_rejected([](Call& c) { c.args.comm.capacity = 3; }, msg);
+  expect_cuda_rejected([](Call& c) { c.args.comm.rank = 1; }, msg);
+}
+
+TEST(AllReduceRejections, RegistryLookup) {
+  CommRef m = registered_cuda_comm();
+  m.buffers[0] = 0x1000000;
+  m.buffers[1] = 0x2000000;
+  m.state = 0x50000;
+  const TensorRef state =
+      make_ref(reinterpret_cast<void*>(0x50000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+  const int64_t h = register_communicator(m, state, kRegionBytes);
+  EXPECT_EQ(registered_communicator("op", h, state).state, m.state);
+  auto rejected = [&](int64_t handle, const TensorRef& s, const std::string& message) {
+    try {
+      registered_communicator("op", handle, s);
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  };
+  rejected(h + 1000, state, "op: comm handle " + std::to_string(h + 1000) +
+                                " names no open communicator of this process (never created, or closed)");
+  TensorRef one = state;
+  one.shape[0] = 1;  // the one-element state that let the kernel write 12 words out of bounds
+  rejected(h, one, "op: state must be the communicator's int32 [12] state tensor (stride 1), got shape [1] strides [1]");
+  TensorRef f32 = state;
+  f32.dtype = DType::f32;
+  rejected(h, f32, "op: state must be int32, got float32");
+  TensorRef cpu = state;
+  cpu.device = Device{};
+  rejected(h, cpu, "op: state is on cpu but the communicator is on cuda:0 (all tensors must be on one device)");
+  TensorRef other = state;
+  other.data = reinterpret_cast<void*>(0x60000);
+  rejected(h, other, "op: state is not the state tensor of the communicator with handle " + std::to_string(h));
+  unregister_communicator(h);
+  rejected(h, state, "op: comm handle " + std::to_string(h) +
+                         " names no open communicator of this process (never created, or closed)");
+  // Registration checks the regions' size and that they are disjoint.
+  EXPECT_THROW(register_communicator(m, state, kRegionBytes + 2), ArgumentError);
+  CommRef overlapping = m;
+  overlapping.buffers[1] = m.buffers[0] + 16;
+  EXPECT_THROW(register_communicator(overlapping, state, kRegionBytes), ArgumentError);
 }
 
 }  // namespace

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from .. import _C
+from .. import _C, comm_registry
 from ..errors import AttnResError
 
 SLOTS = _C.limits["all_reduce_slots"]
@@ -87,6 +87,8 @@ class Communicator:
         self._gather_fn = gather_fn
         self._keep = list(keep)  # IPC-opened storages: mapped as long as this communicator is open
         self._closed = False
+        # The ops carry this handle, never an address: the library launches only on what it recorded here.
+        self.handle = comm_registry.register(self, state=state, regions=regions)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -205,6 +207,7 @@ class Communicator:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._closed = True
+        comm_registry.unregister(self.handle)
         self._regions, self._keep, self._state, self._gather_fn = None, [], None, None
 
     @property
