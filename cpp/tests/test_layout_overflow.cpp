@@ -69,10 +69,15 @@ TEST(LayoutOverflow, Fp8ScalesTokenStride) {
   EXPECT_EQ(rejection([&] { validate(AttnResOp::attn_res_rmsnorm, a); }),
             "attn_res_rmsnorm: fp8_scales has an overlapping layout (strides [4611686018427387904, 1])");
   a.fp8_scales.strides[0] = 1;
+  a.output_fp8.strides[0] = kHuge;
+  EXPECT_EQ(rejection([&] { validate(AttnResOp::attn_res_rmsnorm, a); }),
+            "attn_res_rmsnorm: output_fp8 has a layout whose extent overflows 64-bit address arithmetic "
+            "(shape [4, 128], strides [4611686018427387904, 1]): no allocation can back it");
+  a.output_fp8.strides[0] = H;
   a.output.strides[0] = kHuge;
   EXPECT_EQ(rejection([&] { validate(AttnResOp::attn_res_rmsnorm, a); }),
-            "attn_res_rmsnorm: output has a layout whose extent overflows 64-bit address arithmetic (shape [4, "
-            "128], strides [4611686018427387904, 1]): no allocation can back it");
+            "attn_res_rmsnorm: output has a layout whose extent overflows 64-bit address arithmetic "
+            "(shape [4, 128], strides [4611686018427387904, 1]): no allocation can back it");
 }
 
 TEST(LayoutOverflow, MoeFinalizeRows) {
@@ -82,8 +87,13 @@ TEST(LayoutOverflow, MoeFinalizeRows) {
   f.index = make_ref(at(0x300000), DType::i32, Device{}, {2, 1});
   f.output = make_ref(at(0x400000), DType::bf16, Device{}, {2, 64});
   EXPECT_EQ(rejection([&] { validate_moe_finalize(f, true, false); }),
-            "moe_finalize: rows has a layout whose extent overflows 64-bit address arithmetic (shape [4, 64], "
-            "strides [4611686018427387904, 1]): no allocation can back it");
+            "moe_finalize: rows has a layout whose extent overflows 64-bit address arithmetic "
+            "(shape [4, 64], strides [4611686018427387904, 1]): no allocation can back it");
+  f.rows.strides[0] = 64;
+  f.output.strides[0] = kHuge;
+  EXPECT_EQ(rejection([&] { validate_moe_finalize(f, true, false); }),
+            "moe_finalize: output has a layout whose extent overflows 64-bit address arithmetic "
+            "(shape [2, 64], strides [4611686018427387904, 1]): no allocation can back it");
 }
 
 TEST(LayoutOverflow, AllReduceGathered) {
