@@ -302,3 +302,13 @@ def test_fused_wrapper_compiles_with_fullgraph():
         eager, compiled = (x if isinstance(x, tuple) else (x,) for x in (eager, compiled))
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(eager, compiled)), fn.__name__
     world.close()
+
+
+def test_timeouts_outside_the_registry_range_are_refused_at_creation():
+    """The record holds the bound in int64 ns (>= 1): a bound outside it is refused when the communicator is
+    made, not by every later call."""
+    # (either the registration's words or an earlier check of Communicator's own arguments)
+    with pytest.raises(attnres.ArgumentError, match=r"timeout_(ns|s) must be"):
+        InProcessWorld(1, 4, D, timeout_s=1e-12)
+    with pytest.raises(attnres.ArgumentError, match=r"timeout_s must be"):
+        InProcessWorld(1, 4, D, timeout_s=1e10)

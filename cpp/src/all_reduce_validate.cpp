@@ -147,10 +147,10 @@ int64_t register_communicator(const CommRef& m, const TensorRef& state, int64_t 
   if (reinterpret_cast<uintptr_t>(state.data) != m.state)
     c.fail("state", "is not at comm.state (the CommRef must name its own state tensor)");
   if (m.device.type == DeviceType::cuda) {
-    int64_t expected = 0;
-    if (__builtin_mul_overflow(int64_t{kAllReduceSlots} * m.world_size * 2, (m.capacity + kAllReduceHeaderRows) * m.width,
-                               &expected))
-      c.fail("comm.capacity", "makes a region larger than int64 bytes");
+    int64_t expected = int64_t{kAllReduceSlots} * m.world_size * 2, rows = 0;  // bytes per (capacity + 1) x width
+    if (__builtin_add_overflow(m.capacity, kAllReduceHeaderRows, &rows) ||
+        __builtin_mul_overflow(expected, rows, &expected) || __builtin_mul_overflow(expected, m.width, &expected))
+      c.fail("comm.capacity", "makes a region larger than int64 bytes, got " + num(m.capacity));
     if (region_bytes != expected)
       c.fail("region_bytes", "must be 3 x W x (capacity + 1) x width x 2 = " + num(expected) + ", got " +
                                  num(region_bytes));

@@ -244,11 +244,68 @@ TEST(AllReduceRejections, RegistryLookup) {
   unregister_communicator(h);
   rejected(h, state, "op: comm handle " + std::to_string(h) +
                          " names no open communicator of this process (never created, or closed)");
-  // Registration checks the regions' size and that they are disjoint.
-  EXPECT_THROW(register_communicator(m, state, kRegionBytes + 2), ArgumentError);
+}
+
+// Registration checks what it can without reading memory: the regions' size, that they are disjoint and do not
+// wrap, the state tensor named by the CommRef, empty regions on the CPU.
+TEST(AllReduceRejections, RegistrationRules) {
+  CommRef m = registered_cuda_comm();
+  m.buffers[0] = 0x1000000;
+  m.buffers[1] = 0x2000000;
+  m.state = 0x50000;
+  const TensorRef state =
+      make_ref(reinterpret_cast<void*>(0x50000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+  auto rejected = [&](const CommRef& comm, const TensorRef& s, int64_t bytes, const std::string& message) {
+    try {
+      register_communicator(comm, s, bytes);
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  };
+  rejected(m, state, kRegionBytes + 2,
+           "register_communicator: region_bytes must be 3 x W x (capacity + 1) x width x 2 = " +
+               std::to_string(kRegionBytes) + ", got " + std::to_string(kRegionBytes + 2));
   CommRef overlapping = m;
   overlapping.buffers[1] = m.buffers[0] + 16;
-  EXPECT_THROW(register_communicator(overlapping, state, kRegionBytes), ArgumentError);
+  rejected(overlapping, state, kRegionBytes, "register_communicator: comm.buffers regions overlap each other or the state");
+  CommRef on_state = m;
+  on_state.buffers[1] = 0x50000 - 16;
+  rejected(on_state, state, kRegionBytes, "register_communicator: comm.buffers regions overlap each other or the state");
+  CommRef wrapping = m;
+  wrapping.buffers[1] = UINTPTR_MAX - 0xff;
+  rejected(wrapping, state, kRegionBytes, "register_communicator: comm.buffers region of rank 1 wraps the address space");
+  CommRef huge = m;
+  huge.capacity = int64_t{1} << 60;
+  rejected(huge, state, kRegionBytes,
+           "register_communicator: comm.capacity makes a region larger than int64 bytes, got 1152921504606846976");
+  CommRef elsewhere = m;
+  elsewhere.state = 0x70000;
+  rejected(elsewhere, state, kRegionBytes,
+           "register_communicator: state is not at comm.state (the CommRef must name its own state tensor)");
+  TensorRef one = state;
+  one.shape[0] = 1;
+  rejected(m, one, kRegionBytes,
+           "register_communicator: state must be the communicator's int32 [12] state tensor (stride 1), got shape [1] "
+           "strides [1]");
+  CommRef unaligned = m;
+  unaligned.buffers[0] += 8;
+  rejected(unaligned, state, kRegionBytes, "register_communicator: comm.buffers buffer of rank 0 is not 16-byte aligned");
+  CommRef cpu = m;
+  cpu.device = Device{};
+  TensorRef cpu_state = state;
+  cpu_state.device = Device{};
+  rejected(cpu, cpu_state, 0, "register_communicator: comm.buffers must be empty on the CPU (it exchanges no regions)");
+  for (int r = 0; r < kAllReduceMaxWorld; ++r) cpu.buffers[r] = 0;
+  rejected(cpu, cpu_state, 64, "register_communicator: region_bytes must be 0 on the CPU, got 64");
+  TensorRef null_state = cpu_state;
+  null_state.data = nullptr;
+  cpu.state = 0;
+  rejected(cpu, null_state, 0, "register_communicator: state has a null data pointer");
+  cpu.state = 0x50000;  // a valid CPU record (no regions) registers
+  const int64_t h = register_communicator(cpu, cpu_state, 0);
+  EXPECT_GE(h, 1);
+  unregister_communicator(h);
 }
 
 }  // namespace

@@ -42,4 +42,10 @@ def unregister(handle: int) -> None:
 
 
 def timeout_ns(timeout_s: float) -> int:
-    return int(timeout_s * 1e9)
+    """The bound in ns, as the library's int64 holds it (a bound past int64 is refused here, where nanobind would
+    raise its own TypeError); the library refuses one below 1 ns."""
+    ns = int(timeout_s * 1e9)
+    if ns >= 1 << 63:
+        raise _C.ArgumentError(f"Communicator: timeout_s must be below {(1 << 63) / 1e9:.0f} s (int64 ns), got "
+                               f"{timeout_s!r}")
+    return ns
