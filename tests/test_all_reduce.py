@@ -118,18 +118,13 @@ def test_rejections_write_nothing(device):
             world.all_reduce(parts)
     c = world.comms[0]
     gathered = torch.stack(good).cpu() if device == "cpu" else None
-    for args, msg in (((2, 5), "comm.rank must be in"), ((9, 0), "comm.world_size must be in")):
-        with pytest.raises(ValueError, match=msg):
-            torch.ops.attnres.all_reduce(good[0], gathered, c.state, c.buffer_addresses, args[0], args[1], 4, 64,
-                                         10**9)
-    with pytest.raises(ValueError, match="comm.timeout_ns"):
-        torch.ops.attnres.all_reduce(good[0], gathered, c.state, c.buffer_addresses, 2, 0, 4, 64, 0)
+    # The raw op takes the communicator's registry handle, never its world, rank or addresses
+    # (tests/test_all_reduce_registry.py: made-up and closed handles, foreign state tensors).
+    with pytest.raises(ValueError, match="names no open communicator"):
+        torch.ops.attnres.all_reduce(good[0], gathered, c.state, 10**9)
     if device == "cpu":
         with pytest.raises(ValueError, match="holds 3 partials but the world has 2"):
-            torch.ops.attnres.all_reduce(good[0], torch.stack(good * 2)[:3], c.state, [], 2, 0, 4, 64, 10**9)
-    else:
-        with pytest.raises(ValueError, match="comm.buffers has no buffer for rank 1"):
-            torch.ops.attnres.all_reduce(good[0], None, c.state, c.buffer_addresses[:1], 2, 0, 4, 64, 10**9)
+            torch.ops.attnres.all_reduce(good[0], torch.stack(good * 2)[:3], c.state, c.handle)
     for b, a in zip(before, _state_snapshot(world)):
         assert torch.equal(b, a)  # no generation advanced: nothing ran
     if device == "cuda":

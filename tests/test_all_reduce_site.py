@@ -9,7 +9,6 @@ import torch
 
 import attnres
 from attnres.tp import InProcessWorld
-from attnres.tp.communicator import STATE_WORDS
 
 from conftest import DEVICES
 from helpers import make_inputs
@@ -37,6 +36,6 @@ def test_opcheck():
     lr, add = (torch.randn(T, H, generator=g).to(BF16) for _ in range(2))
     bank = torch.randn(K + 1, T, H, generator=g).to(BF16)
     w = (1 + 0.1 * torch.randn(H, generator=g)).to(BF16)
-    state = torch.zeros(STATE_WORDS, dtype=torch.int32)
-    args = (add, lr[None], state, [], 1, 0, 8, H, 10**9, "add", lr, None, bank, K, K, w, w, w, 1e-5, 1e-6, True)
+    comm = InProcessWorld(1, 8, H).comms[0]
+    args = (add, add[None], comm.state, comm.handle, "add", lr, None, bank, K, K, w, w, w, 1e-5, 1e-6, True)
     torch.library.opcheck(torch.ops.attnres.all_reduce_attn_res_add_rmsnorm.default, args)

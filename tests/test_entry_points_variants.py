@@ -17,11 +17,17 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnres
-from attnres.tp.communicator import STATE_WORDS
+from attnres.tp import InProcessWorld
 
 BF16 = torch.bfloat16
 T, H, K = 4, 128, 2
-W1 = (1, 0, 8, H, 10**9)  # world_size, rank, capacity, width, timeout_ns
+_WORLDS = {}  # device -> a W = 1 world (capacity 8, width H), kept open: the raw ops take its registry handle
+
+
+def _comm(device):
+    if device not in _WORLDS:
+        _WORLDS[device] = InProcessWorld(1, 8, H, device=device)
+    return _WORLDS[device].comms[0]
 
 
 def _tensors(device="cpu"):
@@ -33,8 +39,8 @@ def _tensors(device="cpu"):
     rows = torch.randn(6, H, generator=g).to(BF16).to(device)
     weights = torch.rand(T, 2, generator=g).to(device)
     index = torch.randint(0, 6, (T, 2), generator=g, dtype=torch.int32).to(device)
-    state = torch.zeros(STATE_WORDS, dtype=torch.int32, device=device)
-    return dict(lr=lr, add=add, bank=bank, w=w, rows=rows, weights=weights, index=index, state=state)
+    return dict(lr=lr, add=add, bank=bank, w=w, rows=rows, weights=weights, index=index,
+                state=_comm(torch.device(device).type).state)
 
 
 def _calls(t, bank=None):
@@ -42,11 +48,15 @@ def _calls(t, bank=None):
     topology: arguments of torch.ops.attnres.<family>[_snapshot]) and every op of all_reduce.py; `bank` replaces
     the bank (and block residual) where given."""
     lr, add, w, st = t["lr"], t["add"], t["w"], t["state"]
+    W1 = _comm("cpu" if lr.device.type == "meta" else lr.device.type).handle
     full = t["bank"] if bank is None else bank
     block = t["bank"][:K] if bank is None else bank
     eps = (1e-5, 1e-6)
-    gathered = lr[None] if lr.device.type != "meta" else torch.empty((1, T, H), dtype=BF16, device="meta")
+    # A rank's own entry of `gathered` is its partial (the CPU op checks it bit for bit).
+    gathered = add[None] if add.device.type != "meta" else torch.empty((1, T, H), dtype=BF16, device="meta")
     moe_gathered = torch.zeros((1, T, H), dtype=BF16, device=gathered.device)
+    if gathered.device.type != "meta" and t["rows"].dim() == 2:
+        moe_gathered = attnres.moe_finalize(t["rows"], t["weights"], t["index"], eps=0.0)[None]
     ops = torch.ops.attnres
     return {
         "attn_res_snapshot": (ops.attn_res_snapshot, (lr, full, K, K, w, w, eps[0])),
@@ -61,12 +71,12 @@ def _calls(t, bank=None):
         "attn_res_add_rmsnorm-persistent-per_token": (ops.attn_res_add_rmsnorm,
                                                       (lr, add, None, block, w, w, w, *eps, False, "per_token",
                                                        False, "persistent")),
-        "all_reduce": (ops.all_reduce, (add, gathered, st, [], *W1)),
+        "all_reduce": (ops.all_reduce, (add, gathered, st, W1)),
         "all_reduce_attn_res_add_rmsnorm": (ops.all_reduce_attn_res_add_rmsnorm,
-                                            (add, gathered, st, [], *W1, "add", lr, None, full, K, K, w, w, w,
+                                            (add, gathered, st, W1, "add", lr, None, full, K, K, w, w, w,
                                              *eps, True)),
         "moe_finalize_all_reduce": (ops.moe_finalize_all_reduce,
-                                    (t["rows"], t["weights"], t["index"], w, moe_gathered, st, [], *W1, 1e-5, 1.0)),
+                                    (t["rows"], t["weights"], t["index"], w, moe_gathered, st, W1, 1e-5, 1.0)),
     }
 
 
@@ -185,7 +195,7 @@ def test_all_meta_calls_infer_shapes():
     q, s = torch.ops.attnres.attn_res_rmsnorm(t["lr"], t["bank"][:K], t["w"], t["w"], t["w"], 1e-5, 1e-6,
                                               False, "block128")[2:]
     assert q.device.type == "meta" and tuple(q.shape) == (T, H) and s.stride() == (1, 4)
-    reduced = torch.ops.attnres.all_reduce(t["add"], t["lr"][None], t["state"], [], *W1)
+    reduced = torch.ops.attnres.all_reduce(t["add"], t["lr"][None], t["state"], _comm("cpu").handle)
     assert reduced.device.type == "meta" and tuple(reduced.shape) == (T, H)
 
 
@@ -194,7 +204,7 @@ def test_fused_op_refuses_num_snapshots_past_the_bank():
     t = _tensors()
     op, args = _calls(t)["all_reduce_attn_res_add_rmsnorm"]
     args = list(args)
-    args[13], args[14] = 9, -1
+    args[8], args[9] = 9, -1  # num_snapshots, snapshot_slot
     # the bank-rows rule is the family ops' (one C++ check, one wording)
     with pytest.raises(attnres.ArgumentError, match=r"^all_reduce_attn_res_add_rmsnorm: num_snapshots 9 exceeds the "
                                                     r"bank's 3 rows$"):
@@ -222,7 +232,7 @@ FIRST_CALL_LIMIT_S = 0.3
 
 @pytest.mark.parametrize("call", [
     "attnres.attn_res_rmsnorm(lr, bank, w, w, w, 1e-5, 1e-5, fp8='per_token')",
-    "torch.ops.attnres.all_reduce(lr, lr[None], torch.zeros(64, dtype=torch.int32), [], 1, 0, 8, 64, 10**9)",
+    "torch.ops.attnres.all_reduce(lr, lr[None], c.state, c.handle)",
 ], ids=["fp8", "all_reduce"])
 def test_first_call_after_import_does_not_import_dynamo(call):
     """As tests/test_entry_points.py's first-call test: a fresh interpreter, the best of three processes."""
@@ -231,6 +241,7 @@ def test_first_call_after_import_does_not_import_dynamo(call):
         import torch, attnres
         lr = torch.randn(4, 64).bfloat16(); bank = torch.randn(2, 4, 64).bfloat16()
         w = torch.ones(64, dtype=torch.bfloat16)
+        from attnres.tp import InProcessWorld; c = InProcessWorld(1, 8, 64).comms[0]
         t = time.perf_counter(); {call}; first = time.perf_counter() - t
         print(first, "torch._dynamo" in sys.modules)
     """)

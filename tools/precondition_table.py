@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PH = "\x00"  # a test literal's "anything" (an f-string field)
 ATTN_OPS = ("attn_res_add_rmsnorm_persistent", "attn_res_add_rmsnorm", "attn_res_rmsnorm", "attn_res")
-ALL_REDUCE_OPS = ("all_reduce_attn_res_add_rmsnorm", "moe_finalize_all_reduce", "all_reduce")
+ALL_REDUCE_OPS = ("all_reduce_attn_res_add_rmsnorm", "moe_finalize_all_reduce", "all_reduce", "register_communicator")
 FAMILIES = {"attention": "attention ops", "moe": "moe_finalize", "all_reduce": "all-reduce ops"}
 DTYPES = ("bfloat16", "float32", "float16", "float64", "int32", "int64", "uint8", "an unsupported dtype")
 CPP_SOURCES = {"cpp/src/checks.hpp": None, "cpp/src/validate.cpp": "attention", "cpp/src/plan.cpp": "attention",
@@ -555,8 +555,10 @@ def collect() -> list[Message]:
 
 
 def _short_test(where: str) -> str:
-    """The first test of a literal's owners (a module-level table may feed several)."""
-    return where.split(", ")[0]
+    """The first test of a literal's owners (a module-level table may feed several), without the "py "/"C++ "
+    prefix (the file's extension says which)."""
+    first = where.split(", ")[0]
+    return first.split(" ", 1)[1] if first.startswith(("py ", "C++ ")) else first
 
 
 def markdown(messages: list[Message]) -> str:

@@ -7,6 +7,7 @@
 #include "attnres/error.hpp"
 #include "attnres/version.hpp"
 #include "backend.hpp"
+#include "layout.hpp"
 #include "plan_tuning.hpp"
 
 namespace attnres {
@@ -64,7 +65,7 @@ AllReducePlan plan_all_reduce(const AllReduceQuery& q, const DeviceInfo& dev, co
 }
 
 AllReducePlan plan_all_reduce(const AllReduceArgs& a, const AllReduceOptions& o) {
-  validate_all_reduce(a, /*require_output=*/false);
+  validate_all_reduce(a, /*require_output=*/false, /*read_data=*/false);
   AllReduceQuery q;
   q.world_size = a.comm.world_size;
   q.tokens = a.comm.device.type == DeviceType::cuda ? a.input.shape[0] : a.gathered.shape[1];
@@ -101,6 +102,39 @@ void all_reduce(const AllReduceArgs& a, const AllReduceOptions& o) {
 
 namespace {
 
+// The two kernels of the site share the all-reduce's tensors with the attention op's: whatever the attention
+// op writes (its outputs and the snapshot row) must not alias the partial or the gathered partials the
+// all-reduce reads, and the reduced sum the all-reduce writes must alias no attention input but the addend it is
+// (the plain op refuses the same aliasing: "snapshot row overlaps layer_residual_add").
+void check_site_aliasing(const char* op, const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn) {
+  struct Named {
+    const char* name;
+    const TensorRef* ref;
+  };
+  TensorRef snapshot;
+  if (attn.snapshot_slot >= 0 && attn.block_residual.present())
+    snapshot = detail::snapshot_rows(attn.block_residual, attn.snapshot_slot);
+  const Named written[] = {{"output", &attn.output},   {"updated", &attn.updated},       {"mixture", &attn.mixture},
+                           {"rsigma", &attn.rsigma},   {"probs", &attn.probs},           {"logits", &attn.logits},
+                           {"output_fp8", &attn.output_fp8}, {"fp8_scales", &attn.fp8_scales},
+                           {"snapshot row", &snapshot}};
+  const Named read[] = {{"partial", &ar.input}, {"gathered", &ar.gathered}};
+  for (const Named& w : written)
+    for (const Named& r : read)
+      if (w.ref->present() && r.ref->present() && detail::overlaps(*w.ref, *r.ref))
+        throw ArgumentError(std::string(op) + ": " + w.name + " overlaps " + r.name +
+                            " (the all-reduce reads it; outputs must not alias inputs)");
+  const Named inputs[] = {{"layer_residual", &attn.layer_residual},
+                          {"layer_residual_add", site == AllReduceSite::add2 ? &attn.layer_residual_add : nullptr},
+                          {"block_residual", &attn.block_residual},
+                          {"res_weight", &attn.res_weight},
+                          {"rms_weight", &attn.rms_weight},
+                          {"norm_weight", &attn.norm_weight}};
+  for (const Named& in : inputs)
+    if (in.ref != nullptr && in.ref->present() && ar.output.present() && detail::overlaps(ar.output, *in.ref))
+      throw ArgumentError(std::string(op) + ": reduced overlaps " + in.name + " (outputs must not alias inputs)");
+}
+
 void check_site_addend(const char* op, const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn) {
   const TensorRef& addend = site == AllReduceSite::add ? attn.layer_residual_add : attn.layer_residual_add2;
   const char* addend_name = site == AllReduceSite::add ? "layer_residual_add" : "layer_residual_add2";
@@ -123,12 +157,14 @@ struct SitePlans {
 };
 
 SitePlans plan_site(const char* op, const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn,
-                    const AllReduceOptions& ar_options, const Options& attn_options, bool require_outputs) {
+                    const AllReduceOptions& ar_options, const Options& attn_options, bool require_outputs,
+                    bool read_data) {
   if (site != AllReduceSite::add && site != AllReduceSite::add2)
     throw ArgumentError(std::string(op) + ": site must be add or add2");
-  validate_all_reduce(ar, require_outputs);
+  validate_all_reduce(ar, require_outputs, read_data);
   validate(AttnResOp::attn_res_add_rmsnorm, attn, require_outputs);
   check_site_addend(op, ar, site, attn);
+  check_site_aliasing(op, ar, site, attn);
   SitePlans s;
   s.ar = plan_all_reduce(ar, ar_options);
   if (!s.ar.accepted()) return s;
@@ -142,20 +178,21 @@ SitePlans plan_site(const char* op, const AllReduceArgs& ar, AllReduceSite site,
 AllReducePlan plan_all_reduce_attn_res_add_rmsnorm(const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn,
                                                    const AllReduceOptions& ar_options, const Options& attn_options) {
   return plan_site("all_reduce_attn_res_add_rmsnorm", ar, site, attn, ar_options, attn_options,
-                   /*require_outputs=*/false).ar;
+                   /*require_outputs=*/false, /*read_data=*/false).ar;
 }
 
 void all_reduce_attn_res_add_rmsnorm(const AllReduceArgs& ar, AllReduceSite site, const AttnResArgs& attn,
                                      const AllReduceOptions& ar_options, const Options& attn_options) {
   const char* op = "all_reduce_attn_res_add_rmsnorm";
-  const SitePlans s = plan_site(op, ar, site, attn, ar_options, attn_options, /*require_outputs=*/true);
+  const SitePlans s = plan_site(op, ar, site, attn, ar_options, attn_options, /*require_outputs=*/true,
+                                /*read_data=*/true);
   if (!s.ar.accepted()) throw UnsupportedError(std::string(op) + ": " + s.ar.decline);
   launch_all_reduce(ar, s.ar);
   run(AttnResOp::attn_res_add_rmsnorm, attn, attn_options);
 }
 
 AllReducePlan plan_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& a, const AllReduceOptions& o) {
-  validate_moe_finalize_all_reduce(a, /*require_output=*/false);
+  validate_moe_finalize_all_reduce(a, /*require_output=*/false, /*read_data=*/false);
   MoeFinalizeOptions fo;
   fo.pdl = o.pdl;
   fo.kernel = o.kernel;

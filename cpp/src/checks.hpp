@@ -29,6 +29,10 @@ class Checker {
   void layout(const char* arg, const TensorRef& t) const {
     for (int i = 0; i < t.ndim; ++i)
       if (t.strides[i] < 0) fail(arg, "has a negative stride " + t.strides_string());
+    int64_t bytes = 0;
+    if (!byte_extent(t, bytes))
+      fail(arg, "has a layout whose extent overflows 64-bit address arithmetic (shape " + t.shape_string() +
+                    ", strides " + t.strides_string() + "): no allocation can back it");
     if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
       fail(arg, "must have a contiguous last dimension (stride 1), got strides " + t.strides_string());
     if (!non_overlapping(t))

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "attnres/error.hpp"
+#include "layout.hpp"
 
 namespace attnres {
 
@@ -61,10 +62,17 @@ std::string device_name(Device device) {
   return "cuda:" + std::to_string(device.index);
 }
 
+// Shapes and strides come from any caller (a DLPack producer may describe a view no allocation could back):
+// every product and sum here is checked, and a view whose element count or byte extent does not fit in int64
+// is refused rather than wrapped (a wrapped extent would let two tokens' rows share an address).
 int64_t TensorRef::numel() const {
   if (!present()) return 0;
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] == 0) return 0;
+    if (__builtin_mul_overflow(n, shape[i], &n))
+      throw ArgumentError("tensor of shape " + shape_string() + " has more elements than int64 can count");
+  }
   return n;
 }
 
@@ -72,10 +80,12 @@ void TensorRef::byte_range(uintptr_t& lo, uintptr_t& hi) const {
   lo = hi = 0;
   if (!present() || numel() == 0) return;
   // Strides are validated non-negative before ranges are compared, so the first element is the lowest.
-  int64_t last = 0;
-  for (int i = 0; i < ndim; ++i) last += (shape[i] - 1) * strides[i];
+  int64_t bytes = 0;
+  if (!detail::byte_extent(*this, bytes))
+    throw ArgumentError("tensor of shape " + shape_string() + " and strides " + strides_string() +
+                        " spans more bytes than 64-bit address arithmetic holds");
   lo = reinterpret_cast<uintptr_t>(data);
-  hi = lo + static_cast<uintptr_t>((last + 1) * dtype_size(dtype));
+  hi = lo + static_cast<uintptr_t>(bytes);
 }
 
 // Plain string concatenation, no iostreams: on the H200 machine, Python processes that had torch loaded

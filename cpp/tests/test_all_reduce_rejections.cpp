@@ -124,12 +124,31 @@ TEST(AllReduceRejections, Output) {
       "all_reduce: output overlaps input");
 }
 
-// A CUDA communicator (validation only: the addresses are never dereferenced).
+// A CUDA communicator (validation only: the addresses are never dereferenced), registered as
+// attnres.tp.Communicator registers its own: the library launches only on registered communicators.
+constexpr int64_t kRegionBytes = 3 * kW * (kCapacity + 1) * kD * 2;
+
+TensorRef cuda_state() {
+  return make_ref(reinterpret_cast<void*>(0x30000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+}
+
+CommRef registered_cuda_comm() {
+  CommRef m;
+  m.world_size = kW;
+  m.rank = 0;
+  m.capacity = kCapacity;
+  m.width = kD;
+  m.device = Device{DeviceType::cuda, 0};
+  m.buffers[0] = 0x100000;
+  m.buffers[1] = 0x200000;
+  m.state = 0x30000;
+  static const int64_t handle = register_communicator(m, cuda_state(), kRegionBytes);
+  (void)handle;
+  return m;
+}
+
 void cuda_comm(Call& c) {
-  c.args.comm.device = Device{DeviceType::cuda, 0};
-  c.args.comm.buffers[0] = 0x10000;
-  c.args.comm.buffers[1] = 0x20000;
-  c.args.comm.state = 0x30000;
+  c.args.comm = registered_cuda_comm();
   c.args.gathered = TensorRef{};
   c.args.input = make_ref(reinterpret_cast<void*>(0x40000), DType::bf16, c.args.comm.device, {kT, kD});
   c.args.output = make_ref(reinterpret_cast<void*>(0x50000), DType::bf16, c.args.comm.device, {kT, kD});
@@ -155,7 +174,7 @@ TEST(AllReduceRejections, CudaCommunicatorBuffersAndState) {
   }
   // A closed communicator's equivalent in C++: no buffers, no state.
   expect_cuda_rejected([](Call& c) { c.args.comm.buffers[1] = 0; }, "all_reduce: comm.buffers has no buffer for rank 1");
-  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[0] = 0x10008; },
+  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[0] = 0x100008; },
                        "all_reduce: comm.buffers buffer of rank 0 is not 16-byte aligned");
   expect_cuda_rejected([](Call& c) { c.args.comm.state = 0; }, "all_reduce: comm.state is required on CUDA");
   expect_cuda_rejected([](Call& c) { c.args.comm.state = 0x30004; }, "all_reduce: comm.state must be 16-byte aligned");
@@ -267,14 +286,125 @@ TEST(AllReduceRejections, MoeFinalizeAllReduceArguments) {
   expect_moe_rejected([](MoeCall& c) { c.args.reduced = c.args.finalize.output; },
                       "moe_finalize_all_reduce: reduced overlaps another argument");
   expect_moe_rejected(
-      [](MoeCall& c) {  // a valid CUDA communicator (validation stops before any address is used)
-        c.args.comm.device = Device{DeviceType::cuda, 0};
-        c.args.comm.buffers[0] = 0x10000;
-        c.args.comm.buffers[1] = 0x20000;
-        c.args.comm.state = 0x30000;
+      [](MoeCall& c) {  // a valid, registered CUDA communicator (validation stops before any address is used)
+        c.args.comm = registered_cuda_comm();
       },
                       "moe_finalize_all_reduce: rows is on cpu but the communicator is on cuda:0 (all tensors must "
                       "be on one device)");
+}
+
+// Forged addresses: a CommRef that differs from every registered one in any address or field is refused.
+TEST(AllReduceRejections, UnregisteredCudaCommunicator) {
+  const std::string msg = "all_reduce: comm is not a registered communicator (register_communicator; "
+                          "attnres.tp.Communicator): the kernels write only buffers and state the library has recorded";
+  expect_cuda_rejected([](Call& c) { c.args.comm.buffers[1] = 0x300000; }, msg);
+  expect_cuda_rejected([](Call& c) { c.args.comm.state = 0x40010; }, msg);
+  expect_cuda_rejected([](Call& c) { c.args.comm.capacity = 3; }, msg);
+  expect_cuda_rejected([](Call& c) { c.args.comm.rank = 1; }, msg);
+}
+
+TEST(AllReduceRejections, RegistryLookup) {
+  CommRef m = registered_cuda_comm();
+  m.buffers[0] = 0x1000000;
+  m.buffers[1] = 0x2000000;
+  m.state = 0x50000;
+  const TensorRef state =
+      make_ref(reinterpret_cast<void*>(0x50000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+  const int64_t h = register_communicator(m, state, kRegionBytes);
+  EXPECT_EQ(registered_communicator("op", h, state).state, m.state);
+  auto rejected = [&](int64_t handle, const TensorRef& s, const std::string& message) {
+    try {
+      registered_communicator("op", handle, s);
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  };
+  rejected(h + 1000, state, "op: comm handle " + std::to_string(h + 1000) +
+                                " names no open communicator of this process (never created, or closed)");
+  TensorRef one = state;
+  one.shape[0] = 1;  // the one-element state that let the kernel write 12 words out of bounds
+  rejected(h, one, "op: state must be the communicator's int32 [12] state tensor (stride 1), got shape [1] strides [1]");
+  try {
+    registered_communicator("all_reduce", h, TensorRef{});
+    ADD_FAILURE() << "accepted an absent state";
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()), "all_reduce: state is required (the communicator's state tensor)");
+  }
+  TensorRef f32 = state;
+  f32.dtype = DType::f32;
+  rejected(h, f32, "op: state must be int32, got float32");
+  TensorRef cpu = state;
+  cpu.device = Device{};
+  rejected(h, cpu, "op: state is on cpu but the communicator is on cuda:0 (all tensors must be on one device)");
+  TensorRef other = state;
+  other.data = reinterpret_cast<void*>(0x60000);
+  rejected(h, other, "op: state is not the state tensor of the communicator with handle " + std::to_string(h));
+  unregister_communicator(h);
+  rejected(h, state, "op: comm handle " + std::to_string(h) +
+                         " names no open communicator of this process (never created, or closed)");
+}
+
+// Registration checks what it can without reading memory: the regions' size, that they are disjoint and do not
+// wrap, the state tensor named by the CommRef, empty regions on the CPU.
+TEST(AllReduceRejections, RegistrationRules) {
+  CommRef m = registered_cuda_comm();
+  m.buffers[0] = 0x1000000;
+  m.buffers[1] = 0x2000000;
+  m.state = 0x50000;
+  const TensorRef state =
+      make_ref(reinterpret_cast<void*>(0x50000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+  auto rejected = [&](const CommRef& comm, const TensorRef& s, int64_t bytes, const std::string& message) {
+    try {
+      register_communicator(comm, s, bytes);
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const ArgumentError& e) {
+      EXPECT_EQ(std::string(e.what()), message);
+    }
+  };
+  rejected(m, state, kRegionBytes + 2,
+           "register_communicator: region_bytes must be 3 x W x (capacity + 1) x width x 2 = " +
+               std::to_string(kRegionBytes) + ", got " + std::to_string(kRegionBytes + 2));
+  CommRef overlapping = m;
+  overlapping.buffers[1] = m.buffers[0] + 16;
+  rejected(overlapping, state, kRegionBytes, "register_communicator: comm.buffers regions overlap each other or the state");
+  CommRef on_state = m;
+  on_state.buffers[1] = 0x50000 - 16;
+  rejected(on_state, state, kRegionBytes, "register_communicator: comm.buffers regions overlap each other or the state");
+  CommRef wrapping = m;
+  wrapping.buffers[1] = UINTPTR_MAX - 0xff;
+  rejected(wrapping, state, kRegionBytes, "register_communicator: comm.buffers region of rank 1 wraps the address space");
+  CommRef huge = m;
+  huge.capacity = int64_t{1} << 60;
+  rejected(huge, state, kRegionBytes,
+           "register_communicator: comm.capacity makes a region larger than int64 bytes, got 1152921504606846976");
+  CommRef elsewhere = m;
+  elsewhere.state = 0x70000;
+  rejected(elsewhere, state, kRegionBytes,
+           "register_communicator: state is not at comm.state (the CommRef must name its own state tensor)");
+  TensorRef one = state;
+  one.shape[0] = 1;
+  rejected(m, one, kRegionBytes,
+           "register_communicator: state must be the communicator's int32 [12] state tensor (stride 1), got shape [1] "
+           "strides [1]");
+  CommRef unaligned = m;
+  unaligned.buffers[0] += 8;
+  rejected(unaligned, state, kRegionBytes, "register_communicator: comm.buffers buffer of rank 0 is not 16-byte aligned");
+  CommRef cpu = m;
+  cpu.device = Device{};
+  TensorRef cpu_state = state;
+  cpu_state.device = Device{};
+  rejected(cpu, cpu_state, 0, "register_communicator: comm.buffers must be empty on the CPU (it exchanges no regions)");
+  for (int r = 0; r < kAllReduceMaxWorld; ++r) cpu.buffers[r] = 0;
+  rejected(cpu, cpu_state, 64, "register_communicator: region_bytes must be 0 on the CPU, got 64");
+  TensorRef null_state = cpu_state;
+  null_state.data = nullptr;
+  cpu.state = 0;
+  rejected(cpu, null_state, 0, "register_communicator: state has a null data pointer");
+  cpu.state = 0x50000;  // a valid CPU record (no regions) registers
+  const int64_t h = register_communicator(cpu, cpu_state, 0);
+  EXPECT_GE(h, 1);
+  unregister_communicator(h);
 }
 
 }  // namespace

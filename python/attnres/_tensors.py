@@ -72,26 +72,47 @@ def _dlpack_capsule(x):
     return x.__dlpack__()
 
 
-def _negative_stride(capsule) -> list[int] | None:
-    """The strides (in elements) of a capsule's tensor when one is negative, else None."""
+_INT64_MAX = (1 << 63) - 1
+
+
+def _refused_layout(capsule) -> str | None:
+    """Why torch.from_dlpack would refuse the capsule's layout, or None. torch refuses these by throwing
+    through a C++ boundary, which aborts the interpreter, so each is screened here: a negative stride, a
+    negative size, or an element count or storage size (PyTorch's computeStorageNbytes: itemsize x (1 +
+    sum (size - 1) x stride) + byte_offset) that overflows int64. Python integers do not overflow."""
     t = _DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
-    if not t.strides:
-        return None  # row-major contiguous
-    strides = [t.strides[i] for i in range(t.ndim)]
-    return strides if min(strides, default=0) < 0 else None
+    shape = [t.shape[i] for i in range(t.ndim)]
+    strides = [t.strides[i] for i in range(t.ndim)] if t.strides else None  # None: row-major contiguous
+    if strides is not None and min(strides, default=0) < 0:
+        return f"has a negative stride [{', '.join(map(str, strides))}]"
+    if min(shape, default=0) < 0:
+        return f"has a negative size [{', '.join(map(str, shape))}]"
+    numel = 1
+    for n in shape:
+        numel *= n
+    if strides is None:
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+    itemsize = max(1, t.dtype.bits * t.dtype.lanes // 8)
+    extent = 0 if numel == 0 else itemsize * (1 + sum((n - 1) * s for n, s in zip(shape, strides)))
+    if numel > _INT64_MAX or max(strides, default=0) > _INT64_MAX or extent + t.byte_offset > _INT64_MAX:
+        return (f"has a layout whose storage size overflows int64 (shape [{', '.join(map(str, shape))}], strides "
+                f"[{', '.join(map(str, strides))}]): no allocation can back it")
+    return None
 
 
 def as_tensor(x, op: str, name: str):
     """Accepts a torch.Tensor, None, or any DLPack producer (zero-copy through torch.from_dlpack). A producer
-    is inspected first: torch.from_dlpack aborts the process on a negative stride (PyTorch's storage-size
+    is inspected first: torch.from_dlpack aborts the process on a layout it refuses (PyTorch's storage-size
     check throws through a C++ boundary), so such a view is refused here with the library's message."""
     if x is not None and not isinstance(x, torch.Tensor):
         if not hasattr(x, "__dlpack__"):
             raise TypeError(f"{op}: {name} must be a torch.Tensor or a DLPack producer, got {type(x).__name__}")
         capsule = _dlpack_capsule(x)
-        strides = _negative_stride(capsule)
-        if strides is not None:
-            raise _C.ArgumentError(f"{op}: {name} has a negative stride [{', '.join(map(str, strides))}]")
+        why = _refused_layout(capsule)
+        if why is not None:
+            raise _C.ArgumentError(f"{op}: {name} {why}")
         x = torch.from_dlpack(capsule)
     if x is not None and x.device.type not in ("cpu", "cuda"):
         raise _C.ArgumentError(f"{op}: {name} is on {x.device}: only cpu and cuda tensors are supported")

@@ -87,7 +87,14 @@ void bind_all_reduce(nb::module_& m) {
       .def_rw("comm", &MoeFinalizeAllReduceArgs::comm);
 
   m.def("all_reduce_world_supported", &all_reduce_world_supported);
-  m.def("all_reduce_validate", &validate_all_reduce, nb::arg("args"), nb::arg("require_output") = true);
+  m.def("all_reduce_validate", &validate_all_reduce, nb::arg("args"), nb::arg("require_output") = true,
+        nb::arg("read_data") = true);
+  // The registry of this process's communicators (attnres/comm_registry.py): the torch ops carry a handle, never
+  // an address.
+  m.def("all_reduce_register", &register_communicator, nb::arg("comm"), nb::arg("state"), nb::arg("region_bytes"));
+  m.def("all_reduce_unregister", &unregister_communicator, nb::arg("handle"));
+  m.def("all_reduce_registered", &registered_communicator, nb::arg("op"), nb::arg("handle"), nb::arg("state"),
+        nb::arg("check_address") = true);
   m.def("moe_finalize_all_reduce_validate", &validate_moe_finalize_all_reduce, nb::arg("args"),
         nb::arg("require_output") = true, nb::arg("read_data") = true);
   m.def("all_reduce_plan_call", [](const AllReduceArgs& a, const AllReduceOptions& o) { return plan_all_reduce(a, o); });

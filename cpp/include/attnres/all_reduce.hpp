@@ -87,8 +87,26 @@ struct AllReduceQuery {
   Device device{};
 };
 
-// ArgumentError ("all_reduce: <arg> <rule>") on any violated precondition; nothing is written.
-void validate_all_reduce(const AllReduceArgs& args, bool require_output = true);
+// The communicators this process created. A CommRef carries raw addresses (every rank's region, the state), so
+// the library launches a kernel only on a CUDA CommRef equal to a registered one: a forged or stale address
+// never reaches a kernel, whichever entry point the call came through. attnres.tp.Communicator registers at
+// creation and unregisters at close (or when collected). Registration checks what it can without reading
+// memory: the CommRef's own rules, `state` an int32 [kAllReduceStateWords] tensor at comm.state on comm.device,
+// `region_bytes` the size of one rank's region (3 x W x (capacity + 1) x width bf16; 0 on the CPU, which has no
+// regions), the regions 16-byte aligned and disjoint from each other and from the state. Handles start at 1 and
+// are never reused, so a closed communicator's handle stays invalid.
+int64_t register_communicator(const CommRef& comm, const TensorRef& state, int64_t region_bytes);
+void unregister_communicator(int64_t handle);  // unknown handles are ignored (close is idempotent)
+// The registered CommRef of `handle`; ArgumentError ("<op>: comm ..." / "<op>: state ...") unless the handle
+// is registered and `state` is its state tensor: int32 [kAllReduceStateWords], stride 1, on its device, and on
+// CUDA (check_address) at its address (the kernels keep the generation there; the CPU backend never reads it). check_address = false is for shape-only callers (torch's fake tensors).
+CommRef registered_communicator(const std::string& op, int64_t handle, const TensorRef& state,
+                                bool check_address = true);
+
+// ArgumentError ("all_reduce: <arg> <rule>") on any violated precondition; nothing is written. read_data: also
+// the rules that read the tensors (CPU only: `gathered[comm.rank]` must hold `input`, bit for bit, so the sum is
+// of what this rank passed); false for callers whose refs point at nothing (torch's fake tensors, plans).
+void validate_all_reduce(const AllReduceArgs& args, bool require_output = true, bool read_data = true);
 AllReducePlan plan_all_reduce(const AllReduceQuery& query, const DeviceInfo& device, const AllReduceOptions& options = {});
 AllReducePlan plan_all_reduce(const AllReduceArgs& args, const AllReduceOptions& options = {});
 void all_reduce(const AllReduceArgs& args, const AllReduceOptions& options = {});
@@ -112,8 +130,9 @@ struct MoeFinalizeAllReduceArgs {
   TensorRef gathered;  // [W, T, D] bf16: every rank's local-route partial (CPU backend only)
   CommRef comm;
 };
-// read_data = false skips the finalize's data-dependent rules (the index range), as validate_moe_finalize's flag
-// does: the fake implementation validates synthetic refs whose addresses hold nothing.
+// read_data = false skips the data-dependent rules (the index range, and on the CPU that `gathered[comm.rank]`
+// is this rank's local-route partial bit for bit), as validate_moe_finalize's flag does: the fake
+// implementation validates synthetic refs whose addresses hold nothing.
 void validate_moe_finalize_all_reduce(const MoeFinalizeAllReduceArgs& args, bool require_output = true,
                                       bool read_data = true);
 // The plan of the fused kernel: declines world sizes without a kernel instance (2, 4, 8 on CUDA), the finalize's

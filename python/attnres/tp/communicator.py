@@ -28,7 +28,7 @@ import threading
 import torch
 from torch import Tensor
 
-from .. import _C
+from .. import _C, comm_registry
 from . import arguments
 from .exchange import (BrokenExchange, CommunicatorError, GlooExchange, InProcessExchange, PeerFailed,
                        check_same_tokens, exchange_group)
@@ -92,6 +92,8 @@ class Communicator:
         self._keep = list(keep)  # IPC-opened storages: mapped as long as this communicator is open
         self._closed = False
         self._broken: str | None = None  # why an exchange failed part-way (CPU): every later call raises it
+        # The ops carry this handle, never an address: the library launches only on what it recorded here.
+        self.handle = comm_registry.register(self, state=state, regions=regions)
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -160,7 +162,9 @@ class Communicator:
 
     def gather(self, partial: Tensor, op: str) -> Tensor | None:
         """CPU: every rank's partial, [W, T, D] in rank order (collective: every rank first agrees on the call,
-        exchange.py); CUDA: None (the kernel exchanges), after an in-process world's residency check."""
+        exchange.py), through the attnres_tp::cpu_exchange op (the communicator as its handle), so a compiled
+        caller keeps the exchange as one opaque call; CUDA: None (the kernel exchanges), after an in-process
+        world's residency check."""
         self.check_open(op)
         if self.device.type != "cpu":
             if self._world is not None and isinstance(partial, Tensor) and partial.dim() == 2:
@@ -168,6 +172,15 @@ class Communicator:
             return None
         if self._exchange is None:
             raise CommunicatorError(f"{op}: an in-process CPU rank cannot reduce alone; call its InProcessWorld")
+        if not (isinstance(partial, Tensor) and partial.device.type == "cpu"):
+            # Not an op's argument (a non-tensor, a meta or CUDA tensor): exchanged as it is, so every rank agrees
+            # on the refusal (exchange.check_agreement names what each rank passed).
+            return self._exchange_now(op, partial)
+        return torch.ops.attnres_tp.cpu_exchange(partial, self.handle, op)
+
+    def _exchange_now(self, op: str, partial: Tensor) -> Tensor:
+        """The exchange itself (the cpu_exchange op's kernel): a failure part-way makes the communicator unusable."""
+        self.check_open(op)
         try:
             return self._exchange(op, partial)
         except BrokenExchange as e:
@@ -214,6 +227,7 @@ class Communicator:
         self._closed = True
         if isinstance(self._exchange, GlooExchange):
             self._exchange.close()
+        comm_registry.unregister(self.handle)
         self._regions, self._keep, self._state, self._exchange = None, [], None, None
 
     @property
@@ -224,6 +238,18 @@ class Communicator:
         status = "closed" if self._closed else "open"
         return (f"Communicator(rank={self.rank}, world_size={self.world_size}, capacity={self.capacity}, "
                 f"width={self.width}, device={self.device}, {status})")
+
+
+@torch.library.custom_op("attnres_tp::cpu_exchange", mutates_args=())
+def _cpu_exchange(partial: Tensor, comm: int, op: str) -> Tensor:
+    """Every rank's partial [W, T, D] of the CPU communicator with handle `comm` (Communicator.gather): an op, so
+    torch.compile(fullgraph=True) keeps the collective (threads or gloo) as one call it does not trace."""
+    return comm_registry.communicator(op, comm)._exchange_now(op, partial)
+
+
+@_cpu_exchange.register_fake
+def _(partial, comm, op):
+    return partial.new_empty((comm_registry.communicator(op, comm).world_size, *partial.shape))
 
 
 # What InProcessWorld caches on each rank's stream at creation (see _reserve_cached_memory).
