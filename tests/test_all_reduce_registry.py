@@ -315,3 +315,24 @@ def test_timeouts_outside_the_registry_range_are_refused_at_creation():
         InProcessWorld(1, 4, D, timeout_s=1e-12)
     with pytest.raises(attnres.ArgumentError, match=r"timeout_s .*must be"):
         InProcessWorld(1, 4, D, timeout_s=1e10)
+
+
+@pytest.mark.parametrize("return_mixture", [False, True])
+def test_fused_out_mixture_must_match_return_mixture(return_mixture):
+    """The .out overload's mixture is given exactly when return_mixture asks for it; otherwise the call is refused
+    before anything is exchanged or written."""
+    world = InProcessWorld(1, 4, D, device="cpu")
+    c = world.comms[0]
+    lr, bank, w = _site_inputs("cpu")
+    p = torch.ones(T, D, dtype=BF16)
+    outs = {"reduced": torch.full((T, D), -1.0, dtype=BF16), "updated": torch.full_like(lr, -1.0),
+            "output": torch.full_like(lr, -1.0)}
+    if not return_mixture:
+        outs["mixture"] = torch.full_like(lr, -1.0)  # given without return_mixture
+    message = "all_reduce_attn_res_add_rmsnorm: mixture is produced exactly when return_mixture is True"
+    with pytest.raises(attnres.ArgumentError, match=f"^{message}$"):
+        OPS.all_reduce_attn_res_add_rmsnorm.out(*_raw_site_args(p, p[None], c.state, c.handle, lr, bank, w),
+                                                return_mixture, **outs)
+    assert all(bool((t == -1).all()) for t in outs.values())
+    assert int(c.state[0]) == 0
+    world.close()

@@ -14,7 +14,7 @@ Messages come from every place that raises one:
     family calls it with (e.g. check.layout("rows", ...)) plus once for its calls with computed arguments
     (shown as <arg>); a shared check no validator of a family calls is not listed for that family.
   * Python: `raise ...(f"...")` and `_argument_error(arg, f"...")` in python/attnres/_tensors.py, ops.py,
-    _attn_ops.py, options.py, planning.py, fp8.py, moe_ops.py, moe_tail.py and all_reduce.py.
+    _attn_ops.py, options.py, planning.py, fp8.py, moe_ops.py, moe_tail.py, all_reduce.py and _all_reduce_ops.py.
 Three families: the attention ops, moe_finalize, and the all-reduce ops (all_reduce, moe_finalize_all_reduce,
 all_reduce_attn_res_add_rmsnorm: their communicator and exchange rules; the fused epilogue's own rules are
 listed under its family).
@@ -51,7 +51,7 @@ PY_SOURCES = {"python/attnres/_tensors.py": "attention", "python/attnres/ops.py"
               "python/attnres/_attn_ops.py": "attention", "python/attnres/options.py": "attention",
               "python/attnres/planning.py": "attention", "python/attnres/fp8.py": "attention",
               "python/attnres/moe_ops.py": "moe", "python/attnres/moe_tail.py": "moe",
-              "python/attnres/all_reduce.py": "all_reduce"}
+              "python/attnres/all_reduce.py": "all_reduce", "python/attnres/_all_reduce_ops.py": "all_reduce"}
 MIN_LITERAL = 10
 DOC = ROOT / "docs" / "preconditions.md"  # the generated page (--write-docs), read by tests/test_precondition_table.py
 
