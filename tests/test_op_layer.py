@@ -226,9 +226,9 @@ def _bad_out_cases(t):
         ("attn_res-logits-shape", ar, (_rows(), diag(), diag(), diag(n=K)),
          f"attn_res: logits must have shape [N, T] = [{K + 1}, {T}], got [{K}, {T}]"),
         ("out-count", rms, (_rows(), _rows()),
-         "attn_res_rmsnorm: out must be a tuple of 1 tensors (output), got tuple of 2"),
+         "attn_res_rmsnorm: out must be a tuple of 1 tensors or None (output), got tuple of 2"),
         ("out-not-a-tuple", addn, _rows(),
-         "attn_res_add_rmsnorm: out must be a tuple of 2 tensors (updated, output), got Tensor"),
+         "attn_res_add_rmsnorm: out must be a tuple of 2 tensors or None (updated, output), got Tensor"),
     ]
 
 
@@ -277,7 +277,7 @@ def test_options_and_out_must_be_well_formed():
         attnres.attn_res_rmsnorm(t["lr"], t["bank"][:K], t["res_w"], t["rms_w"], t["norm_w"], *EPS, options="auto")
     out = (_rows(), _rows(), _rows())
     with Unchanged(*t.values(), *out), pytest.raises(attnres.ArgumentError, match="^" + re.escape(
-            "attn_res_rmsnorm: out must be a tuple of 1 tensors (output), got tuple") + " of 3$"):
+            "attn_res_rmsnorm: out must be a tuple of 1 tensors or None (output), got tuple") + " of 3$"):
         attnres.attn_res_rmsnorm(t["lr"], t["bank"][:K], t["res_w"], t["rms_w"], t["norm_w"], *EPS, out=out)
 
 

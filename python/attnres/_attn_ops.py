@@ -182,15 +182,21 @@ def _real(family: Family, names: tuple[str, ...], snapshot: bool, out: bool):
     return kernel
 
 
+def rows_past_storage(bank: Tensor, rows: int) -> bool:
+    """Whether the first `rows` rows of a [*, T, H] bank, through its strides, reach past its storage (the
+    library sees only pointers, so the bound is checked here)."""
+    _, T, H = bank.shape
+    s = bank.stride()
+    last = bank.storage_offset() + (rows - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
+    return (last + 1) * bank.element_size() > bank.untyped_storage().nbytes()
+
+
 def check_bank_storage(op: str, bank: Tensor, num_snapshots: int, snapshot_slot: int) -> None:
     """A bank view built past its storage (as_strided is not bounds-checked under torch.compile) is refused
     before the library sees its pointers."""
     if bank.dim() != 3 or min(bank.stride(), default=0) < 0 or bank.numel() == 0:
         return  # the library rejects the rank or the strides; an empty bank addresses nothing
-    _, T, H = bank.shape
-    s = bank.stride()
-    last = bank.storage_offset() + (bank.shape[0] - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
-    if (last + 1) * bank.element_size() > bank.untyped_storage().nbytes():
+    if rows_past_storage(bank, bank.shape[0]):
         raise ArgumentError(f"{op}: the bank's {bank.shape[0]} rows lie outside its storage")
 
 

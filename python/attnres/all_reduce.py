@@ -30,23 +30,10 @@ from torch import Tensor
 from . import _C
 from ._all_reduce_ops import KERNELS, SITES, moe_outputs, rows_like, site_outputs  # noqa: F401 (registers the ops)
 from .errors import ArgumentError
-from .ops import check_bank_in_storage
+from .ops import check_bank_in_storage, given_outputs
 from ._tensors import as_tensor
 from .moe_gate import finalize_decline, gate_device, gate_dtypes, token_gate
 from .options import DEFAULT as _DEFAULT_OPTIONS, Options
-
-
-def _given(op: str, out, produced: tuple[str, ...]) -> dict:
-    """The caller's out= tensors by output name (None entries are allocated), screened as inputs are."""
-    if out is None:
-        return {}
-    if isinstance(out, Tensor) and len(produced) == 1:
-        out = (out,)
-    if not isinstance(out, (tuple, list)) or len(out) != len(produced):
-        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
-        raise ArgumentError(f"{op}: out must be a tuple of {len(produced)} tensors or None ({', '.join(produced)}), "
-                            f"got {got}")
-    return {name: as_tensor(t, op, f"out ({name})") for name, t in zip(produced, out) if t is not None}
 
 
 class RefusedArguments:
@@ -79,7 +66,7 @@ def all_reduce(comm, partial: Tensor, *, pdl: bool = True, early_trigger: bool =
     raw = partial
     try:
         partial = as_tensor(partial, op, "partial")
-        given = _given(op, out, ("reduced",))
+        given = given_outputs(op, out, ("reduced",))
     except (TypeError, ArgumentError):
         _exchange_then_raise(comm, raw, op)
         raise
@@ -111,7 +98,7 @@ def all_reduce_attn_res_add_rmsnorm(comm, partial: Tensor, layer_residual: Tenso
             (layer_residual_add, "layer_residual_add"))]
         partial, layer_residual, block, res_weight, rms_weight, norm_weight, layer_residual_add = tensors
         produced = ("reduced", "updated", "output") + (("mixture",) if return_mixture else ())
-        given = _given(op, out, produced)
+        given = given_outputs(op, out, produced)
         K = block.shape[0] if block.dim() == 3 else 0
         slot = -1
         bank = block
@@ -151,7 +138,7 @@ def moe_finalize_all_reduce(comm, rows: Tensor, weights: Tensor, index: Tensor, 
     try:
         rows, weights, index, norm_weight = (as_tensor(t, op, name) for t, name in (
             (rows, "rows"), (weights, "weights"), (index, "index"), (norm_weight, "norm_weight")))
-        given = _given(op, out, ("reduced", "output"))
+        given = given_outputs(op, out, ("reduced", "output"))
     except (TypeError, ArgumentError):
         # No partial can be computed: the exchange must fail on every rank, never complete with rows as a partial.
         _exchange_then_raise(comm, raw if not isinstance(raw, Tensor) or raw.device.type != "cpu"

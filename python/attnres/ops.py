@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _attn_ops
-from ._attn_ops import FAMILIES, allocate, call
+from ._attn_ops import FAMILIES, allocate, call, rows_past_storage
 from ._registry import note_writes
 from ._tensors import as_tensor
 from .errors import ArgumentError
@@ -82,28 +82,23 @@ def _bank_through_slot(block: Tensor, slot: int, op: str) -> Tensor:
 
 def check_bank_in_storage(bank: Tensor, rows: int, op: str) -> None:
     """Refuses a snapshot row that lies past the bank's storage."""
-    _, T, H = bank.shape
-    s = bank.stride()
-    last = bank.storage_offset() + (rows - 1) * s[0] + (T - 1) * s[1] + (H - 1) * s[2]
-    if (last + 1) * bank.element_size() > bank.untyped_storage().nbytes():
+    if rows_past_storage(bank, rows):
         raise ArgumentError(f"{op}: snapshot_slot {rows - 1} lies outside block_residual's storage "
                             f"(the bank must be allocated with at least {rows} snapshot rows)")
 
 
-def _given(op: str, out, produced: tuple[str, ...]) -> dict:
-    """The caller's out= tensors by output name (None entries are allocated)."""
+def given_outputs(op: str, out, produced: tuple[str, ...]) -> dict:
+    """The caller's out= tensors by output name (None entries are allocated), screened as inputs are; every op's
+    public function reads out= through this."""
     if out is None:
         return {}
     if isinstance(out, Tensor) and len(produced) == 1:
         out = (out,)
     if not isinstance(out, (tuple, list)) or len(out) != len(produced):
-        raise ArgumentError(f"{op}: out must be a tuple of {len(produced)} tensors ({', '.join(produced)}), "
-                            f"got {type(out).__name__}{'' if not isinstance(out, (tuple, list)) else ' of ' + str(len(out))}")
-    given = {}
-    for name, t in zip(produced, out):
-        if t is not None:
-            given[name] = t if isinstance(t, Tensor) else as_tensor(t, op, f"out ({name})")
-    return given
+        got = type(out).__name__ + (f" of {len(out)}" if isinstance(out, (tuple, list)) else "")
+        raise ArgumentError(f"{op}: out must be a tuple of {len(produced)} tensors or None ({', '.join(produced)}), "
+                            f"got {got}")
+    return {name: as_tensor(t, op, f"out ({name})") for name, t in zip(produced, out) if t is not None}
 
 
 def _run(family_name: str, v: dict, snapshot_slot, out, options, produced: tuple[str, ...]):
@@ -111,7 +106,7 @@ def _run(family_name: str, v: dict, snapshot_slot, out, options, produced: tuple
     family = FAMILIES[family_name]
     op = family.name
     opts = _options(op, options)
-    given = _given(op, out, produced)
+    given = given_outputs(op, out, produced)
     snapshot = snapshot_slot is not None
     if snapshot:
         slot = _slot(op, snapshot_slot)
