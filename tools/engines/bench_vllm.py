@@ -28,7 +28,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "build" / "engines" / "vllm"
 TABLE = ROOT / "python" / "attnres" / "integrations" / "vllm_table.json"
-REAL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm/models/kimi_k3/nvidia/ops/__init__.py")
+# common/mtp.py: vLLM's own test module (tools/engines/test_vllm.sh) imports it beside attn_res.
+REAL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm/models/kimi_k3/nvidia/ops/__init__.py",
+              "vllm/models/kimi_k3/common/mtp.py")
 SITES = ("add_rmsnorm", "add_rmsnorm_write", "rmsnorm", "rmsnorm_write", "add_mix", "mix")
 TOKENS = (1, 4, 8, 32, 256, 4096)
 
@@ -59,6 +61,10 @@ class _Platform:
         return (major, minor) >= tuple(want)
 
     @staticmethod
+    def is_rocm():
+        return torch.version.hip is not None
+
+    @staticmethod
     def is_device_capability_family(capability, device_id=0):
         major, minor = torch.cuda.get_device_capability(device_id)
         return (major * 10 + minor) // 10 == capability // 10
@@ -74,6 +80,7 @@ current_platform = _Platform()
     "vllm/models/__init__.py": "",
     "vllm/models/kimi_k3/__init__.py": "",
     "vllm/models/kimi_k3/nvidia/__init__.py": "",
+    "vllm/models/kimi_k3/common/__init__.py": "",
 }
 
 
