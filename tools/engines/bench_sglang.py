@@ -156,6 +156,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=25)
     ap.add_argument("--max-sets", type=int, default=1024, help="cap on rotating input sets per graph")
     ap.add_argument("--out", type=Path, help="results JSON (every row, timings and checks)")
+    ap.add_argument("--max-seconds", type=float, default=0,
+                    help="stop measuring new points after this long (0: no limit); what was measured is written")
     ap.add_argument("--write-table", type=Path, help="write the plugin's table here")
     ap.add_argument("--merge", action="store_true", help="keep --write-table's rows for points not measured now")
     ap.add_argument("--prepare-only", action="store_true", help="generate the runtime tree and stop (no GPU)")
@@ -193,6 +195,8 @@ def main() -> int:
             for N in _ints(args.candidates):
                 if entry == "aggregate_stream" and N == 1:
                     continue  # nvb = 0: SGLang returns the prefix itself, nothing is replaced
+                if args.max_seconds and time.time() - t0 > args.max_seconds:
+                    continue  # out of time: the points measured so far are written; the rest stay unmeasured
                 row = measure_point(plugin, ar, entry, T, N, args.hidden, args.repeats, args.max_sets)
                 row["use_attnres"] = decide(row)
                 rows.append(row)

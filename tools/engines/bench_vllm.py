@@ -22,6 +22,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -142,12 +143,15 @@ def run(args) -> None:
                "torch": torch.__version__, "pdl": args.pdl, "points": []}
     plugin.SETTINGS.options = None if args.pdl else attnres.Options(pdl=False)
     gen = torch.Generator().manual_seed(0)
+    t0 = time.time()
     for site in args.sites:
         for T in args.tokens:
             for N in args.candidates:
                 K = N - 1
                 if site.endswith("_write") and K >= args.bank_rows:
                     continue
+                if args.max_seconds and time.time() - t0 > args.max_seconds:
+                    continue  # out of time: these points stay unmeasured (the plugin falls back there)
                 a = _args(site, K)
                 sets = rotating_sets(T * args.hidden * 2 * (2 + args.bank_rows))
                 base = _inputs(T, args.bank_rows, args.hidden, sets, gen.manual_seed(T * 100 + N), "cpu")
@@ -174,7 +178,8 @@ def run(args) -> None:
                       f"{'==' if point['blocks_bitwise'] else '!='}", flush=True)
                 del v_sets, p_sets, gv, gp
                 torch.cuda.empty_cache()
-    Path(args.out).write_text(json.dumps(results, indent=1))
+                # after every point: a sweep stopped at a time limit keeps what it measured
+                Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
 
 
@@ -216,6 +221,8 @@ def main(argv=None) -> None:
     r.add_argument("--hidden", type=int, default=7168)
     r.add_argument("--bank-rows", type=int, default=9, help="NB of the token-major bank [T, NB, H]")
     r.add_argument("--repeats", type=int, default=25)
+    r.add_argument("--max-seconds", type=float, default=0,
+                   help="stop measuring new points after this long (0: no limit); the file keeps what was measured")
     r.add_argument("--no-pdl", dest="pdl", action="store_false", help="attnres with PDL off (ATTNRES_VLLM_PDL=0)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
