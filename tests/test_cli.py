@@ -1,9 +1,11 @@
-"""The command lines: `python -m attnres --help` lists every entry point, every option of every CLI has help,
-the entry points forward to their own command lines, and the demo's CPU path and --plot option."""
+"""The command lines: `python -m attnres --help` lists every entry point, every option of every CLI (the
+package's and the checkout's harnesses: python -m bench, stress, tp_check) has help, the entry points forward to
+their own command lines, and the demo's CPU path and --plot option."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import subprocess
 import sys
 
@@ -12,12 +14,13 @@ import pytest
 from attnres import __main__ as cli
 from attnres import demo
 from attnres.bench.__main__ import parser as bench_parser
-from attnres.stress.cli import parser as stress_parser
 from attnres.tp.cli import parser as tp_parser
 
 from conftest import requires_cuda
+from stress.cli import parser as stress_parser
 
-ENTRY_POINTS = ("demo", "bench", "stress", "tp")
+ENTRY_POINTS = ("demo", "bench", "tp")
+HARNESSES = ("stress",)  # run from a checkout: python -m NAME
 
 
 def _subparsers(p: argparse.ArgumentParser):
@@ -29,7 +32,7 @@ def _subparsers(p: argparse.ArgumentParser):
 def _all_parsers():
     """Every (name, parser) of every CLI, subcommands included (the forwarded stubs of the top level are listed
     by their own CLIs)."""
-    out = [("attnres", cli.parser()), ("attnres.bench", bench_parser()), ("attnres.stress", stress_parser()),
+    out = [("attnres", cli.parser()), ("attnres.bench", bench_parser()), ("stress", stress_parser()),
            ("attnres.tp", tp_parser())]
     for name, p in list(out):
         for sub, sp in _subparsers(p):
@@ -77,7 +80,7 @@ def test_user_help_holds_no_developer_notes():
             assert phrase not in text, f"{name}: {phrase!r} in its help"
 
 
-@pytest.mark.parametrize("command", ["bench", "stress", "tp"])
+@pytest.mark.parametrize("command", ["bench", "tp"])
 def test_entry_points_forward_to_their_own_command_line(command, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main([command, "--help"])
@@ -85,9 +88,17 @@ def test_entry_points_forward_to_their_own_command_line(command, capsys):
     assert f"python -m attnres.{command}" in capsys.readouterr().out
 
 
-def test_forwarded_arguments_reach_the_tool(capsys):
-    assert cli.main(["stress", "chain", "--steps", "0", "--device", "cpu"]) == 2
-    assert capsys.readouterr().err.startswith("attnres.stress: ")  # the tool's own refusal, not argparse's
+def test_forwarded_arguments_reach_the_tool():
+    with pytest.raises(SystemExit, match="--tokens must be"):  # the tool's own refusal, not argparse's
+        cli.main(["bench", "chain", "--device", "cpu", "--tokens", "0"])
+
+
+@pytest.mark.parametrize("harness", HARNESSES)
+def test_harness_command_lines_name_their_module(harness, capsys):
+    with pytest.raises(SystemExit) as exc:
+        importlib.import_module(f"{harness}.cli").main(["--help"])
+    assert exc.value.code == 0
+    assert f"python -m {harness} " in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------ the demo

@@ -1,7 +1,7 @@
 """The docs stay true to the tree: every relative link in README.md and docs/ resolves (the file, and its #anchor
 by GitHub's rules), every results file they cite is committed, every `python -m attnres ...` (or `torchrun ... -m
-attnres...`) command line shown in them parses with its entry point's own argparse parser (nothing runs: a few
-seconds for all of them), no page is over 40 KB, and the CPU demo's H200 figures are the committed file's."""
+attnres...`) command line shown in them, and every one of the checkout's harnesses (`python -m bench|stress|
+tp_check ...`), parses with its entry point's own argparse parser (nothing runs: a few seconds for all of them), no page is over 40 KB, and the CPU demo's H200 figures are the committed file's."""
 
 from __future__ import annotations
 
@@ -140,8 +140,11 @@ def test_every_cited_results_file_exists():
 
 
 # ------------------------------------------------------------------------------------------- command lines
-# `python -m attnres...` and `torchrun [its options] -m attnres...`: the arguments up to a comment or shell operator.
-COMMAND = re.compile(r"(?:python3?|torchrun(?:\s+--?[\w-]+(?:[= ]\d+)?)*) -m (attnres(?:\.\w+)*)((?:\s+[^\s#;|&`)]+)*)")
+# `python -m attnres...` and `torchrun [its options] -m attnres...`, and the same of the harnesses that run from a
+# checkout (bench, stress, tp_check): the arguments up to a comment or shell operator.
+HARNESSES = ("bench", "stress", "tp_check")
+COMMAND = re.compile(r"(?:python3?|torchrun(?:\s+--?[\w-]+(?:[= ]\d+)?)*) -m ((?:attnres|" + "|".join(HARNESSES)
+                     + r")\b(?:\.\w+)*)((?:\s+[^\s#;|&`)]+)*)")
 
 
 def commands() -> list[tuple[Path, int, str, list[str]]]:
@@ -173,8 +176,7 @@ def _parser_of(module: str) -> argparse.ArgumentParser:
 
 
 def parse(module: str, argv: list[str]) -> None:
-    """Parses argv as `python -m module` would (the top-level command forwards bench/stress/tp to their own
-    parsers); raises AssertionError with argparse's message when it does not parse."""
+    """Parses argv as `python -m module` would (the top-level command forwards bench to its own parser); raises AssertionError with argparse's message when it does not parse."""
     if module == "attnres" and argv and not argv[0].startswith("-"):
         top = importlib.import_module("attnres.__main__")
         if argv[0] in top.FORWARDED:
@@ -182,7 +184,7 @@ def parse(module: str, argv: list[str]) -> None:
             return parse(forwarded.removesuffix(".__main__").removesuffix(".cli"), argv[1:])
     if argv and argv[-1] in ("…", "..."):  # "python -m attnres …": any command line of it
         argv = argv[:-1]
-    if not argv:  # the entry point named in prose ("`python -m attnres.stress`"): it must exist
+    if not argv:  # the entry point named in prose ("`python -m stress`"): it must exist
         _parser_of(module)
         return None
     err = io.StringIO()
@@ -208,9 +210,9 @@ def test_every_shown_command_line_parses():
 
 def test_the_command_check_has_teeth():
     parse("attnres", ["demo", "--tokens", "1,8"])
-    parse("attnres.stress", ["calls", "--count", "10"])
+    parse("stress", ["calls", "--count", "10"])
     for module, argv in (("attnres", ["demo", "--steps", "1"]), ("attnres", ["demo", "--fold", "on"]),
-                         ("attnres.stress", ["calls", "--no-such-flag"])):
+                         ("stress", ["calls", "--no-such-flag"])):
         with pytest.raises(AssertionError, match="unrecognized arguments|invalid choice"):
             parse(module, argv)
 

@@ -74,10 +74,10 @@ def test_import_ops_plan_options_gates_and_a_model_with_settings_read_no_knob():
     assert out.stdout.strip().endswith("no knob read")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["bench", "--help"], ["stress", "--help"],
-                                  ["tp", "--help"]], ids=" ".join)
+@pytest.mark.parametrize("argv", [["attnres", "--help"], ["attnres", "demo", "--help"], ["attnres", "bench", "--help"],
+                                  ["attnres", "tp", "--help"], ["stress", "--help"]], ids=" ".join)
 def test_entry_point_help_reads_no_knob(argv):
-    out = _python(["-m", "attnres", *argv], BAD_ENV)
+    out = _python(["-m", *argv], BAD_ENV)
     assert out.returncode == 0, out.stderr
     assert "usage" in out.stdout.lower() and "KnobError" not in out.stderr
 

@@ -1,7 +1,7 @@
-"""The stress runner (attnres.stress, docs/reliability.md section 5) at CI size, and proof that its checks can
-fail: a result with one flipped bit, an output off by 2 %, an input written by the call, and a fold that
-changes one bit at one step of the decode chain are each reported as a failure (a checker that cannot fail
-checks nothing). The CUDA cases run the same small campaigns on the GPU (streams, graph replays)."""
+"""The stress runner (python -m stress, docs/reliability.md section 5) at CI size, and proof that its checks can
+fail: a result with one flipped bit, an output off by 2 %, an input written by the call, and a fold that changes
+one bit at one step of the decode chain are each reported as a failure (a checker that cannot fail checks
+nothing). The CUDA cases run the same small campaigns on the GPU (streams, graph replays)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from attnres import stress
+import stress
 from attnres.models.kimi_k3 import residual
 from conftest import requires_cuda
 

@@ -4,7 +4,7 @@
 # smoke: build + kernel self-check + quick benchmarks; test: build + the SASS schedule check (tools/sass_check.py) +
 # ctest + pytest (GPU cases run; CTEST=0 skips ctest); chain: the
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
-# stress: the random-call and decode-chain stress runs (python -m attnres.stress); persistent: its benchmark
+# stress: the random-call and decode-chain stress runs (python -m stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); peers: the side-by-side points and the automatic topology's grid
 # (PEERS_QUICK=1: their reduced grids); variants: the persistent kernel's geometry variants (their GPU bit
 # tests, then python -m attnres.bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
@@ -198,11 +198,11 @@ fi
 
 if has stress; then
   step "stress: random calls on 4 streams with graph replays, checked against the CPU backend"
-  python3 -m attnres.stress calls --count ${STRESS_CALLS:-100000} --streams 4 --device cuda \
+  python3 -m stress calls --count ${STRESS_CALLS:-100000} --streams 4 --device cuda \
     --max-seconds ${STRESS_CALLS_S:-420} --quiet >"$OUT/stress_calls.json" 2>"$OUT/stress_calls.log" || status=1
   tail -5 "$OUT/stress_calls.log"; tail -c 1200 "$OUT/stress_calls.json"; echo
   step "stress: Kimi K3 decode chain (93 layers, H = 7168), fold on vs off, one graph per step"
-  python3 -m attnres.stress chain --steps ${STRESS_STEPS:-10000} --device cuda --max-seconds ${STRESS_CHAIN_S:-240} \
+  python3 -m stress chain --steps ${STRESS_STEPS:-10000} --device cuda --max-seconds ${STRESS_CHAIN_S:-240} \
     --quiet >"$OUT/stress_chain.json" 2>"$OUT/stress_chain.log" || status=1
   tail -5 "$OUT/stress_chain.log"; tail -c 1200 "$OUT/stress_chain.json"; echo
 fi

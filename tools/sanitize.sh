@@ -10,7 +10,7 @@
 #   (b) a focused pytest subset of the CUDA cases: the kernels against the oracle (decode, odd H, T > 32,
 #       H = 16384, N = 1, every kernel), the bitwise properties, MoE finalize, the decode chain with the fold
 #       (small config), and — in a process of its own, see below — CUDA graphs and PDL chaining;
-#   (c) memcheck only: a short random-shape stress run (python -m attnres.stress calls, no graphs);
+#   (c) memcheck only: a short random-shape stress run (python -m stress calls, no graphs);
 #   (d) racecheck only: tools/racecheck_probe.cu, the persistent ring's protocol in one block, correct and racy.
 # each as `compute-sanitizer --tool X --target-processes all --error-exitcode 99 ...`.
 #
@@ -413,7 +413,7 @@ for tool in $TOOLS; do
 
   # (c) random shapes and layouts (memcheck: out-of-bounds accesses are what random strides find)
   if [[ $tool == memcheck && $STRESS_CALLS -gt 0 ]]; then
-    run_step "$tool" stress_calls env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 -m attnres.stress calls \
+    run_step "$tool" stress_calls env PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 -m stress calls \
       --count "$STRESS_CALLS" --device cuda --streams 2 --graph-every 0 --quiet --seed 5
   fi
 done

@@ -2,7 +2,6 @@
 
     python -m attnres demo     the Kimi K3 decode step with the MoE-tail fold off and on (attnres.demo)
     python -m attnres bench    the GPU benchmark suites (= python -m attnres.bench)
-    python -m attnres stress   long randomised runs checked bit for bit (= python -m attnres.stress)
     python -m attnres tp       the tensor-parallel checks of the decode chain (= python -m attnres.tp)
 
 `python -m attnres COMMAND --help` shows each command's options.
@@ -22,8 +21,6 @@ import attnres
 FORWARDED = {
     "bench": ("attnres.bench.__main__", "GPU benchmark suites (decode sweep, kernel geometry, MoE finalize, decode "
                                         "chain, persistent kernel, TP, regression guard); results to a JSON file"),
-    "stress": ("attnres.stress.cli", "long randomised runs: random calls against the CPU backend, the decode chain "
-                                     "fold on vs off, bit for bit"),
     "tp": ("attnres.tp.cli", "the decode chain under tensor parallelism: correctness checks on 2 ranks (NCCL on "
                              "GPUs, gloo on the CPU)"),
 }

@@ -1,4 +1,4 @@
-"""The command line of python -m attnres.stress: argument checks, the JSON summary on stdout, the exit code."""
+"""The command line of python -m stress: argument checks, the JSON summary on stdout, the exit code."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from .chain import run_chain
 
 
 def parser() -> argparse.ArgumentParser:
-    from attnres import stress as package  # its docstring, once the package has finished importing
-    p = argparse.ArgumentParser(prog="python -m attnres.stress", description=package.__doc__.split("\n\n")[0])
+    import stress as package  # its docstring, once the package has finished importing
+    p = argparse.ArgumentParser(prog="python -m stress", description=package.__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True, metavar="MODE")
     c = sub.add_parser("calls", help="randomly shaped calls checked against the CPU backend",
                        description="Randomly shaped calls of every op (on CUDA: several streams and CUDA-graph "
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                                 hidden=args.hidden, block=args.block, check_every=args.check_every,
                                 eager=args.eager, seed=args.seed, max_seconds=args.max_seconds, quiet=args.quiet)
     except (ValueError, RuntimeError) as err:
-        print(f"attnres.stress: {err}", file=sys.stderr)
+        print(f"stress: {err}", file=sys.stderr)
         return 2
     for f in summary.get("failures", [])[:5]:
         print(f"FAILED {f['kind']} call {f['call']}: {f['detail']}\n  spec {json.dumps(f['spec'])}", file=sys.stderr)

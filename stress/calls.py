@@ -1,4 +1,4 @@
-"""The random-call campaign (python -m attnres.stress calls).
+"""The random-call campaign (python -m stress calls).
 
 `calls` draws each call from a generator seeded by (seed, call index): an op (attn_res, attn_res_rmsnorm with
 or without the tap, attn_res_add_rmsnorm with one or two addends, tap and snapshot write, the persistent op
@@ -76,7 +76,7 @@ def run_op(s: Spec, v: dict, options: attnres.Options | None) -> dict[str, Tenso
     return {"output": output} if updated is None else {"updated": updated, "output": output}
 
 
-# The device-side call. A hook of its own (attnres.stress.calls.device_call, looked up here at every call) so that
+# The device-side call. A hook of its own (stress.calls.device_call, looked up here at every call) so that
 # tests can corrupt it and prove the checker catches it.
 def device_call(s: Spec, call: Call) -> dict[str, Tensor]:
     return run_op(s, call.views, _options(s))

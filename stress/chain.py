@@ -1,4 +1,4 @@
-"""The decode-chain campaign (python -m attnres.stress chain).
+"""The decode-chain campaign (python -m stress chain).
 
 `chain` runs the decode chain (`attnres.models.kimi_k3`, stand-in sub-layers) twice, fold on and fold off,
 for --steps dependent steps: step s + 1's input is bf16(step s's output + embedding[s mod 97]), so a
