@@ -1,4 +1,4 @@
-"""The single-GPU all-reduce benchmark (python -m attnres.bench allreduce): on the CPU its records, the
+"""The single-GPU all-reduce benchmark (python -m bench allreduce): on the CPU its records, the
 fused-vs-unfused bitwise check (with teeth), the summary table and the CLI, which refuses cleanly without a GPU;
 on the GPU (the `gpu` marker) one quick point of every site under graph replay."""
 
@@ -9,8 +9,8 @@ import json
 import pytest
 import torch
 
-from attnres.bench import allreduce
-from attnres.bench.__main__ import main as bench_main
+from bench import allreduce
+from bench.cli import main as bench_main
 
 from conftest import HAS_CUDA, requires_cuda
 

@@ -1,4 +1,4 @@
-"""The FP8 benchmark suite (python -m attnres.bench fp8) without a GPU: the CLI refuses cleanly and writes
+"""The FP8 benchmark suite (python -m bench fp8) without a GPU: the CLI refuses cleanly and writes
 nothing; the grid is the issue's; the table and the target are derived correctly from records (synthetic ones:
 the numbers come from the H200)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres.bench import fp8
-from attnres.bench.__main__ import SUITES, _fp8_agrees
-from attnres.bench.__main__ import main as bench_main
+from bench import fp8
+from bench.cli import SUITES, fp8_agrees
+from bench.cli import main as bench_main
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -60,8 +60,8 @@ def test_table_and_target_from_records():
 
 
 def test_a_bitwise_mismatch_fails_the_run(capsys):
-    assert _fp8_agrees(_records()) is True
-    assert _fp8_agrees(_records(equal=False)) is False
+    assert fp8_agrees(_records()) is True
+    assert fp8_agrees(_records(equal=False)) is False
     assert "DIFFERS" in capsys.readouterr().err
 
 

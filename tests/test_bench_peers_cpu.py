@@ -1,4 +1,4 @@
-"""The peers suite's code that runs without a GPU (python/attnres/bench/peers.py): its points (the kernels issue's
+"""The peers suite's code that runs without a GPU (bench/peers.py): its points (the kernels issue's
 table and the persistent range), the warm regime's set count, the providers a point is timed on, the comparison
 with the peers' figures and the target read from records, the summary, and the CLI."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres.bench import peers, results
-from attnres.bench.__main__ import main as bench_main
+from bench import peers
+from bench.cli import main as bench_main
+from bench.targets import targets
 
 ISSUE_POINTS = {(1, 1), (1, 2), (1, 5), (1, 9), (1, 12), (8, 9), (32, 9), (128, 9), (1024, 9), (4096, 2), (4096, 9)}
 
@@ -72,7 +73,7 @@ def test_target_is_met_only_when_ahead_everywhere():
     level = [_rec(1, 1, 2.21)]  # level is not ahead
     assert peers.target(level)[3] is False
     assert peers.target([{"suite": "decode"}]) is None
-    assert any(r[0] == "peers" for r in results.targets(behind))
+    assert any(r[0] == "peers" for r in targets(behind))
 
 
 def test_summary_lines():

@@ -1,4 +1,4 @@
-"""The persistent benchmark suite's code that runs without a GPU (python/attnres/bench/persistent.py): the grid,
+"""The persistent benchmark suite's code that runs without a GPU (bench/persistent.py): the grid,
 the byte formula, the PyTorch step it times (against the oracle), the crossover and target P5 (docs/performance.md:
 >= 85% of the copy bandwidth at T >= 4096, N = 9, with the addend) read from records, the summary, and the CLI
 refusing to measure without a GPU."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from attnres import reference
-from attnres.bench import persistent, results
-from attnres.bench.__main__ import main as bench_main
+from bench import persistent
+from bench.cli import main as bench_main
+from bench.targets import targets
 from helpers import assert_same_bits, make_inputs
 
 
@@ -79,7 +80,7 @@ def test_p5_target_reads_the_worst_large_point():
     missed = persistent.p5_target([at(0.9, 4096), at(0.8, 32768)])
     assert missed[3] is False and "T=32768" in missed[2]
     assert persistent.p5_target([at(0.9, 1024)]) is None
-    assert any(row[0] == "P5" for row in results.targets([at(0.9, 4096)]))
+    assert any(row[0] == "P5" for row in targets([at(0.9, 4096)]))
 
 
 def test_summary_lines():

@@ -1,4 +1,4 @@
-"""The topology suite's code that runs without a GPU (python/attnres/bench/topology.py): its grid, the rows and the
+"""The topology suite's code that runs without a GPU (bench/topology.py): its grid, the rows and the
 target read from records (the default within 3% of the fastest forced kernel), the summary, and the CLI."""
 
 from __future__ import annotations
@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnres.bench import results, topology
-from attnres.bench.__main__ import main as bench_main
+from bench import topology
+from bench.cli import main as bench_main
+from bench.targets import targets
 
 
 def test_grid():
@@ -41,7 +42,7 @@ def test_rows_and_target():
     row = topology.target(slow)
     assert row[3] is False and "1 of 3" not in row[2] and "2 of 3" in row[2] and "T=4096 N=16" in row[2]
     assert topology.target([{"suite": "decode"}]) is None
-    assert any(r[0] == "topology" for r in results.targets(slow))
+    assert any(r[0] == "topology" for r in targets(slow))
 
 
 def test_summary_marks_a_slow_default():

@@ -13,7 +13,7 @@ import pytest
 
 from attnres import __main__ as cli
 from attnres import demo
-from attnres.bench.__main__ import parser as bench_parser
+from attnres.bench.cli import parser as bench_parser
 from attnres.tp.cli import parser as tp_parser
 
 from conftest import requires_cuda

@@ -96,7 +96,7 @@ def test_moe_finalize_all_reduce_gate_bounds_are_the_librarys():
 
 
 def test_bench_hidden_bound_is_the_ops(capsys):
-    from attnres.bench.__main__ import main
+    from bench.cli import main
 
     bad = LIMITS["max_hidden"] + LIMITS["hidden_multiple"]
     with pytest.raises(SystemExit) as e:

@@ -1,4 +1,4 @@
-"""The persistent kernel's tuning knobs without a GPU (attnres._persistent_tuning, python -m attnres.bench
+"""The persistent kernel's tuning knobs without a GPU (attnres._persistent_tuning, python -m bench
 persistent --variants): the geometry each variant plans on a described H200, the ArgumentError of a value out of
 range through every entry point of the hook (plan and call, which changes nothing), the CPU call, the
 benchmark's variant list, its readers of records and its command line."""
@@ -10,8 +10,8 @@ import torch
 
 import attnres
 from attnres import _persistent_tuning as tuning
-from attnres.bench import persistent_variants as pv
-from attnres.bench.__main__ import main as bench_main
+from bench import persistent_variants as pv
+from bench.cli import main as bench_main
 from helpers import assert_same_bits, assert_storage_unchanged, make_inputs
 
 V = tuning.Variant
@@ -171,7 +171,7 @@ def test_token_time_and_model_fit():
 
 def test_cli(capsys):
     with pytest.raises(SystemExit) as exc:
-        bench_main(["decode", "--variants"])
+        bench_main(["tune", "--variants"])
     assert exc.value.code == 2 and "--variants applies to the persistent suite only" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exc:
         bench_main(["persistent", "--variants", "--quick"])

@@ -396,9 +396,9 @@ def test_resolve_device():
 
 # ------------------------------------------------------------------------------------------ the benchmark
 def test_bench_tp_on_cpu_runs_the_chain_and_its_checks(tmp_path, capfd):
-    """`python -m attnres.bench tp --device cpu`: two gloo ranks, the five step variants, the checks (fold on ==
+    """`python -m bench tp --device cpu`: two gloo ranks, the five step variants, the checks (fold on ==
     off, fed chain == the TP model's eager step, ranks identical, latents), a JSON results file."""
-    from attnres.bench.__main__ import main as bench_main
+    from bench.cli import main as bench_main
 
     out = tmp_path / "tp.json"
     rc = bench_main(["tp", "--device", "cpu", "--tokens", "2", "--repeats", "2", "--layers", "6", "--out", str(out)])
@@ -421,7 +421,7 @@ def test_bench_tp_on_cpu_runs_the_chain_and_its_checks(tmp_path, capfd):
 
 def test_bench_tp_latencies_only_skips_the_chain(tmp_path, capfd):
     """`--latencies-only`: the all-reduce sweep alone (how gpu_check.sh runs --symm-mem, in a process of its own)."""
-    from attnres.bench.__main__ import main as bench_main
+    from bench.cli import main as bench_main
 
     out = tmp_path / "tp_lat.json"
     rc = bench_main(["tp", "--device", "cpu", "--tokens", "2", "--repeats", "2", "--layers", "6", "--latencies-only",
@@ -434,14 +434,14 @@ def test_bench_tp_latencies_only_skips_the_chain(tmp_path, capfd):
 
 
 def test_bench_tp_latency_flags_exclude_each_other():
-    from attnres.bench.__main__ import main as bench_main
+    from bench.cli import main as bench_main
 
     with pytest.raises(SystemExit, match="exclude each other"):
         bench_main(["tp", "--device", "cpu", "--no-latencies", "--latencies-only"])
 
 
 def test_bench_tp_reports_a_failed_check():
-    from attnres.bench.tp import failed_checks
+    from bench.tp import failed_checks
 
     good = {"kind": "chain", "provider": "tp_chain/fold_on", "T": 1, "fold_bitwise_equal": True, "equals_model": True,
             "ranks_identical": True, "latents_equal": True}
@@ -451,7 +451,7 @@ def test_bench_tp_reports_a_failed_check():
 
 
 def test_bench_tp_needs_two_ranks():
-    from attnres.bench.__main__ import main as bench_main
+    from bench.cli import main as bench_main
 
     with pytest.raises(SystemExit) as e:
         bench_main(["tp", "--device", "cpu", "--nproc", "1"])

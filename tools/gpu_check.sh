@@ -7,7 +7,7 @@
 # stress: the random-call and decode-chain stress runs (python -m stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); peers: the side-by-side points and the automatic topology's grid
 # (PEERS_QUICK=1: their reduced grids); variants: the persistent kernel's geometry variants (their GPU bit
-# tests, then python -m attnres.bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
+# tests, then python -m bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
 # allreduce: the fused all-reduce epilogues in the in-process W = 2
 # world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
@@ -114,8 +114,8 @@ fi
 
 if has smoke; then
   step "quick benchmarks"
-  python3 -m attnres.bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" 2>&1 | tail -12
-  python3 -m attnres.bench tune --quick --out "$OUT/tune_quick.json" 2>&1 | tail -8
+  python3 -m bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" 2>&1 | tail -12
+  python3 -m bench tune --quick --out "$OUT/tune_quick.json" 2>&1 | tail -8
   python3 -m attnres.bench decode --quick --out "$OUT/decode_quick.json" 2>&1 | tail -8
 fi
 # The guard's baseline (GUARD_BASELINE): the landed kernels' guard run (f2a5a55's kernels, the two-GPU host's GPU 1,
@@ -124,36 +124,36 @@ if has chain; then
   step "decode-chain benchmark and the regression guard"
   timeout -s INT -k 20 "${CHAIN_WALL:-240}" python3 -m attnres.bench chain ${CHAIN_TOKENS:+--tokens $CHAIN_TOKENS} --out "$OUT/chain.json" 2>&1 | tail -12 || status=1
   if [[ ${GUARD:-1} == 1 ]]; then
-    timeout 120 python3 -m attnres.bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" \
+    timeout 120 python3 -m bench guard --baseline "${GUARD_BASELINE:-bench_results/h200x2_d67b737_guard.json}" --out "$OUT/guard.json" \
       2>&1 | tail -14
   fi
 fi
 if has persistent; then
   step "persistent-kernel benchmark (per-token/persistent crossover)"
-  timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m attnres.bench persistent ${PERSISTENT_QUICK:+--quick} \
+  timeout -s INT -k 20 "${PERSISTENT_WALL:-300}" python3 -m bench persistent ${PERSISTENT_QUICK:+--quick} \
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
 fi
 if has peers; then
   step "the side-by-side points (against the peers' figures) and the automatic topology's grid"
-  timeout -s INT -k 20 "${PEERS_WALL:-200}" python3 -m attnres.bench peers ${PEERS_QUICK:+--quick} \
+  timeout -s INT -k 20 "${PEERS_WALL:-200}" python3 -m bench peers ${PEERS_QUICK:+--quick} \
     --out "$OUT/peers.json" 2>&1 | grep -v "━" | tail -24 || status=1
-  timeout -s INT -k 20 "${TOPOLOGY_WALL:-200}" python3 -m attnres.bench topology ${PEERS_QUICK:+--quick} \
+  timeout -s INT -k 20 "${TOPOLOGY_WALL:-200}" python3 -m bench topology ${PEERS_QUICK:+--quick} \
     --out "$OUT/topology.json" 2>&1 | grep -v "━" | tail -90 || status=1
 fi
 if has variants; then
   step "persistent-kernel geometry variants: bits against split_k, then the interleaved benchmark vs the copy floor"
   timeout 900 python3 -m pytest -q -m gpu tests/test_persistent_variants.py 2>&1 | tail -15 || status=1
-  timeout -s INT -k 20 "${VARIANTS_WALL:-240}" python3 -m attnres.bench persistent --variants \
+  timeout -s INT -k 20 "${VARIANTS_WALL:-240}" python3 -m bench persistent --variants \
     --out "$OUT/persistent_variants.json" 2>&1 | tail -40 || status=1
 fi
 if has fp8; then
   step "FP8 epilogue benchmark (fused e4m3 output vs bf16 op + separate quantization)"
-  timeout -s INT -k 20 "${FP8_WALL:-300}" python3 -m attnres.bench fp8 ${FP8_QUICK:+--quick} \
+  timeout -s INT -k 20 "${FP8_WALL:-300}" python3 -m bench fp8 ${FP8_QUICK:+--quick} \
     --out "$OUT/fp8.json" 2>&1 | tail -40 || status=1
 fi
 if has allreduce; then
   step "fused all-reduce epilogues, in-process W = 2 world on one GPU (a lower bound: local memory, not NVLink)"
-  timeout "${ALLREDUCE_WALL:-300}" python3 -m attnres.bench allreduce ${ALLREDUCE_QUICK:+--quick} \
+  timeout "${ALLREDUCE_WALL:-300}" python3 -m bench allreduce ${ALLREDUCE_QUICK:+--quick} \
     --out "$OUT/allreduce.json" 2>&1 | tail -16 || status=1
 fi
 if has tp; then
@@ -163,12 +163,12 @@ if has tp; then
   timeout "${TP_WALL:-240}" python3 -m pytest -v -rfE -p no:cacheprovider "tests/test_tp.py::test_two_ranks[nccl-cuda]" \
     2>&1 | tee "$OUT/tp_check.log" | tail -8 || status=1
   if [[ ${TP_BENCH:-1} == 1 ]]; then
-    timeout "${TP_BENCH_WALL:-240}" python3 -m attnres.bench tp --out "$OUT/tp.json" 2>&1 | tail -20 || status=1
+    timeout "${TP_BENCH_WALL:-240}" python3 -m bench tp --out "$OUT/tp.json" 2>&1 | tail -20 || status=1
   fi
   if [[ ${TP_SYMM:-0} == 1 ]]; then
     # torch's symmetric-memory one-shot all-reduce (the floor of a fused one-shot epilogue, docs/tp.md), in a
     # process of its own and with its whole output kept: at 3a47675 it died with an illegal memory access.
-    CUDA_LAUNCH_BLOCKING=1 timeout "${TP_SYMM_WALL:-180}" python3 -m attnres.bench tp --symm-mem --latencies-only \
+    CUDA_LAUNCH_BLOCKING=1 timeout "${TP_SYMM_WALL:-180}" python3 -m bench tp --symm-mem --latencies-only \
       --out "$OUT/tp_symm.json" >"$OUT/tp_symm.log" 2>&1 || status=1
     grep -m5 -B2 -A12 "Error\|Traceback" "$OUT/tp_symm.log" | head -60; tail -12 "$OUT/tp_symm.log"
   fi
@@ -179,7 +179,7 @@ if has teeth; then
 fi
 if has bench full; then
   step "benchmarks"
-  python3 -m attnres.bench all --out "$OUT/bench.json" 2>&1 | tail -12 || status=1
+  python3 -m bench all --out "$OUT/bench.json" 2>&1 | tail -12 || status=1
 fi
 if has sanitize; then
   if [[ ! -x build/ctest/cpp/tests/test_cuda_backend || ! -x build/ctest/cpp/tests/test_moe_finalize ]]; then

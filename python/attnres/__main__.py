@@ -19,8 +19,8 @@ import attnres
 # command -> (module whose main(argv) runs it, one line of help). demo is parsed here; the others own their
 # command lines and get the remaining arguments as they are.
 FORWARDED = {
-    "bench": ("attnres.bench.__main__", "GPU benchmark suites (decode sweep, kernel geometry, MoE finalize, decode "
-                                        "chain, persistent kernel, TP, regression guard); results to a JSON file"),
+    "bench": ("attnres.bench.cli", "GPU benchmark suites (decode sweep, MoE finalize, decode chain, host cost of a "
+                                   "call); results to a JSON file"),
     "tp": ("attnres.tp.cli", "the decode chain under tensor parallelism: correctness checks on 2 ranks (NCCL on "
                              "GPUs, gloo on the CPU)"),
 }

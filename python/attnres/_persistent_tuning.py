@@ -1,4 +1,4 @@
-"""The persistent kernel's tuning knobs, for the benchmark's variants (python -m attnres.bench persistent
+"""The persistent kernel's tuning knobs, for the benchmark's variants (python -m bench persistent
 --variants) and the tests that hold every variant to split_k's bits. Private: not part of attnres.Options nor of
 the torch.ops schemas.
 

@@ -84,7 +84,7 @@ struct Options {
   bool pdl = true;                // programmatic dependent launch on the CUDA kernels
   KernelKind kernel = KernelKind::automatic;  // force a kernel (tests, benchmarks); still validated
   int32_t cluster = 0;            // split_k cluster size override (0: the measured default)
-  // Tuning knobs of the persistent kernel's geometry, for benchmarks (python -m attnres.bench persistent
+  // Tuning knobs of the persistent kernel's geometry, for benchmarks (python -m bench persistent
   // --variants; Python reaches them only through attnres._persistent_tuning). None changes a result: which
   // thread owns an element and every reduction order depend on H alone. 0 keeps the plan's choice (blocks per
   // SM: two where that geometry exists and honours the other knobs, else one; docs/ops/attn_res_add_rmsnorm_persistent.md).

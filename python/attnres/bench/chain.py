@@ -39,7 +39,7 @@ from attnres.models.kimi_k3 import (ChainTrace, KimiK3Config, KimiK3Model, KimiK
                                     compare_outputs, compare_traces)
 from attnres.models.kimi_k3.residual import FUSED_ADD2, PathRecord
 
-from .timing import Timing, _quantile, time_interleaved
+from .timing import Timing, quantile, time_interleaved
 
 TOKENS = (1, 4, 8, 32)
 QUICK_TOKENS = (1, 32)
@@ -104,7 +104,7 @@ class _FedMoE:
         return self.routed + self.shared
 
 
-def _with_sublayers(model: KimiK3Model, make: Callable, settings: ResidualSettings) -> KimiK3Model:
+def with_sublayers(model: KimiK3Model, make: Callable, settings: ResidualSettings) -> KimiK3Model:
     """A shallow copy of the model (same weights) whose layers' attention and MLP are make(layer) -> (attn, mlp),
     with its own settings and path record."""
     clone = copy.copy(model)
@@ -127,7 +127,7 @@ def _record(model: KimiK3Model, x0: Tensor, pdl: bool):
         recorders[layer.layer] = (_Recorder(layer.attention, False), _Recorder(layer.mlp, layer.is_moe))
         return recorders[layer.layer]
 
-    recording = _with_sublayers(model, make, ResidualSettings(fold=False, pdl=pdl))
+    recording = with_sublayers(model, make, ResidualSettings(fold=False, pdl=pdl))
     trace = SiteTrace()
     out = recording(x0, bank=recording.allocate_bank(x0.shape[0], fill=BANK_FILL), trace=trace)
     feeds = {}
@@ -137,13 +137,13 @@ def _record(model: KimiK3Model, x0: Tensor, pdl: bool):
 
 
 # ------------------------------------------------------------------------------------------ one chain
-class _Chain:
+class Chain:
     """One variant: the fed model with its settings and its own bank; `last` holds the last step's output and
     trace (inside a graph: tensors of the graph's pool, rewritten by every replay)."""
 
     def __init__(self, model: KimiK3Model, feeds: dict, x0: Tensor, fold: bool, pdl: bool):
         self.fold = fold
-        self.model = _with_sublayers(model, lambda layer: feeds[layer.layer], ResidualSettings(fold=fold, pdl=pdl))
+        self.model = with_sublayers(model, lambda layer: feeds[layer.layer], ResidualSettings(fold=fold, pdl=pdl))
         self.x0 = x0
         self.bank = self.model.allocate_bank(x0.shape[0], fill=BANK_FILL)
         self.last: tuple[KimiK3Output, SiteTrace] | None = None
@@ -168,13 +168,13 @@ class _Chain:
         return len(self.model.paths.select(path=FUSED_ADD2))
 
 
-def _diffs(a: _Chain | tuple, b: _Chain | tuple) -> list[str]:
-    (out_a, tr_a), (out_b, tr_b) = (x.last if isinstance(x, _Chain) else x for x in (a, b))
+def trace_diffs(a: Chain | tuple, b: Chain | tuple) -> list[str]:
+    (out_a, tr_a), (out_b, tr_b) = (x.last if isinstance(x, Chain) else x for x in (a, b))
     return compare_traces(tr_a, tr_b) + compare_outputs(out_a, out_b)
 
 
 # ------------------------------------------------------------------------------------------ timing
-def _capture_step(chain: _Chain) -> torch.cuda.CUDAGraph:
+def _capture_step(chain: Chain) -> torch.cuda.CUDAGraph:
     """As timing.capture: one eager step on a side stream first (plan cache, lazy initialisation, allocator
     growth stay out of the graph), then the step captured. The warm-up's tensors are dropped before the
     capture so that nothing allocated outside the graph is freed while it is being captured."""
@@ -192,7 +192,7 @@ def _capture_step(chain: _Chain) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _time_graphs(chains: dict[bool, _Chain], repeats: int, warmup: int):
+def _time_graphs(chains: dict[bool, Chain], repeats: int, warmup: int):
     """CUDA: each chain's step captured as one graph, replayed interleaved. Returns the timings and the graphs
     (the chains' last outputs live in the graphs' pools: keep the graphs until they are compared)."""
     graphs = {fold: _capture_step(c) for fold, c in chains.items()}
@@ -206,7 +206,7 @@ def _time_graphs(chains: dict[bool, _Chain], repeats: int, warmup: int):
     return timings, graphs
 
 
-def _time_eager(chains: dict[bool, _Chain], repeats: int, warmup: int) -> dict[bool, Timing]:
+def _time_eager(chains: dict[bool, Chain], repeats: int, warmup: int) -> dict[bool, Timing]:
     """CPU: the eager step, interleaved, wall clock (no graphs on the CPU)."""
     for _ in range(warmup):
         for c in chains.values():
@@ -220,7 +220,7 @@ def _time_eager(chains: dict[bool, _Chain], repeats: int, warmup: int) -> dict[b
     out = {}
     for fold, values in samples.items():
         v = sorted(values)
-        out[fold] = Timing(statistics.median(v), _quantile(v, 0.1), _quantile(v, 0.9), v[0], 1, repeats)
+        out[fold] = Timing(statistics.median(v), quantile(v, 0.1), quantile(v, 0.9), v[0], 1, repeats)
     return out
 
 
@@ -233,7 +233,7 @@ def _nbytes(tensors) -> int:
     return total
 
 
-def _working_set(model: KimiK3Model, feeds: dict, chain: _Chain) -> int:
+def _working_set(model: KimiK3Model, feeds: dict, chain: Chain) -> int:
     """Bytes one step touches: site weights, sub-layer outputs, bank, input, and what the sites write."""
     weights = [t for layer in model.layers for w in (layer.attn_site, layer.mlp_site)
                for t in (w.res_weight, w.rms_weight, w.norm_weight)]
@@ -258,7 +258,7 @@ def run_point(model: KimiK3Model, T: int, *, device: str, pdl: bool = True, repe
     cfg = model.config
     x0 = model.embed(T, step=seed)
     feeds, model_out, model_trace = _record(model, x0, pdl)
-    chains = {fold: _Chain(model, feeds, x0, fold, pdl) for fold in (True, False)}  # dict order: on, off, on, ...
+    chains = {fold: Chain(model, feeds, x0, fold, pdl) for fold in (True, False)}  # dict order: on, off, on, ...
     graphs = None
     if device == "cuda":
         timings, graphs = _time_graphs(chains, repeats, warmup)
@@ -266,8 +266,8 @@ def run_point(model: KimiK3Model, T: int, *, device: str, pdl: bool = True, repe
     else:
         timings = _time_eager(chains, repeats, warmup)
         timer = TIMER_CPU
-    diffs = _diffs(chains[True], chains[False])
-    model_diffs = _diffs(chains[False], (model_out, model_trace))
+    diffs = trace_diffs(chains[True], chains[False])
+    model_diffs = trace_diffs(chains[False], (model_out, model_trace))
     moe_layers = sum(cfg.is_moe_layer(layer) for layer in range(cfg.num_layers))
     on, off = timings[True], timings[False]
     saving = off.median_us - on.median_us

@@ -14,7 +14,7 @@ from .timing import capture, rotating_sets, time_interleaved
 K, D = 16, 3584
 
 
-def _sets(T: int, count: int, seed: int):
+def input_sets(T: int, count: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     sets = []
     for _ in range(count):
@@ -34,7 +34,7 @@ def run(quick: bool = False, progress=None, repeats: int = 25) -> list[dict]:
     records = []
     for i, T in enumerate(tokens):
         bytes_per_set = (T * K + 8) * D * 2 + T * K * 8 + T * D * 2 * 2 + D * 2
-        sets = _sets(T, rotating_sets(bytes_per_set), seed=T)
+        sets = input_sets(T, rotating_sets(bytes_per_set), seed=T)
         graphs = {
             "attnres/moe_finalize": (capture([lambda s=s: moe_finalize(s[0], s[1], s[2], shared=s[3], norm_weight=s[4],
                                                                        eps=1e-5) for s in sets]), len(sets)),

@@ -50,10 +50,9 @@ def _find(records, **key):
 
 
 def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
-    """(id, what, measured, met) for the performance targets P1-P7 of docs/performance.md (each row carries its
-    definition in `what`): P1-P4 from a decode sweep, P5 from the persistent suite, P6 from the chain suite, P7
-    from finalize; "peers" (ahead of the other Hopper kernels) and "topology" (the default within 3% of the
-    fastest kernel) from their suites."""
+    """(id, what, measured, met) for the performance targets of docs/performance.md that this package's suites
+    measure (each row carries its definition in `what`): P1-P4 from a decode sweep, P6 from the chain suite, P7
+    from finalize. (P5, "peers" and "topology" come from the repository's own suites, `python -m bench`.)"""
     rows = []
     dec = [r for r in records if r.get("suite") == "decode"]
     p1 = _find(dec, provider="attnres/add2", T=1, N=9)
@@ -85,17 +84,6 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
         worst = min(ratios)
         rows.append(("P4", ">= 4x faster than torch.compile of the step", f"worst {worst[0]:.1f}x at T={worst[1]} N={worst[2]}",
                      worst[0] >= 4.0))
-    from .persistent import p5_target  # (its module imports timing, not this one)
-
-    p5 = p5_target(records)
-    if p5:
-        rows.append(p5)
-    from .peers import target as peers_target
-    from .topology import target as topology_target
-
-    for row in (peers_target(records), topology_target(records)):
-        if row:
-            rows.append(row)
     p6 = _chain_target(records)
     if p6:
         rows.append(p6)

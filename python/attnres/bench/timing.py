@@ -43,7 +43,7 @@ def capture(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
     return capture_call(lambda: [c() for c in calls])[0]
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
+def quantile(sorted_values: list[float], q: float) -> float:
     idx = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
     return sorted_values[idx]
 
@@ -70,5 +70,5 @@ def time_interleaved(graphs: dict[str, tuple[torch.cuda.CUDAGraph | Callable[[],
     out = {}
     for name, values in samples.items():
         v = sorted(values)
-        out[name] = Timing(statistics.median(v), _quantile(v, 0.1), _quantile(v, 0.9), v[0], graphs[name][1], repeats)
+        out[name] = Timing(statistics.median(v), quantile(v, 0.1), quantile(v, 0.9), v[0], graphs[name][1], repeats)
     return out

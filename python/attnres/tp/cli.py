@@ -10,7 +10,7 @@ if any failed. With --one-gpu the W ranks are W processes on cuda:0 joined by gl
 one device; gloo moves CUDA tensors through the host) and the one-shot ops map each other's buffers through CUDA
 IPC: the same checks with the real kernels on a one-GPU machine. The processes' kernels time-slice, so a
 one-shot op's spin wait progresses only at context switches: keep T small and the steps few. The benchmark is
-`python -m attnres.bench tp`.
+`python -m bench tp`.
 """
 # The rank entry points live here, not in __main__, so that spawned ranks can import them.
 

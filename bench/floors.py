@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from .timing import capture, time_interleaved
+from attnres.bench.timing import capture, time_interleaved
 
 
 def copy_bandwidth_tbs(megabytes: int = 2048, repeats: int = 10, warmup_s: float = 1.0, rounds: int = 3) -> float:

@@ -5,9 +5,8 @@ interleaved in the same run (the add2 variant: what the fold runs)."""
 from __future__ import annotations
 
 import attnres
-
-from .timing import capture, rotating_sets, time_interleaved
-from .workloads import attnres_call, make_sets, step_bytes
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import attnres_call, make_sets, step_bytes
 
 
 def configs(H: int, N: int) -> dict[str, attnres.Options]:

@@ -1,4 +1,4 @@
-"""The persistent-kernel sweep (python -m attnres.bench persistent): attn_res_add_rmsnorm_persistent (one block
+"""The persistent-kernel sweep (python -m bench persistent): attn_res_add_rmsnorm_persistent (one block
 per SM, rows streamed through shared memory) against the per-token kernel the library picks under the
 per_token topology (split_k at these N) and torch.compile of the PyTorch step, at T in
 {32, 64, 128, 256, 512, 1024, 4096, 16384, 32768} x N in {2, 5, 9, 12}, with and without the addend, H = 7168
@@ -24,9 +24,8 @@ from typing import Callable
 import torch
 
 import attnres
-
-from .timing import capture, rotating_sets, time_interleaved
-from .workloads import EPS, compiled, make_sets, torch_attn_res_step
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, compiled, make_sets, torch_attn_res_step
 
 TOKENS = (32, 64, 128, 256, 512, 1024, 4096, 16384, 32768)
 CANDIDATES = (2, 5, 9, 12)

@@ -11,9 +11,8 @@ import torch
 
 import attnres
 from attnres import fp8 as _fp8
-
-from .timing import capture, rotating_sets, time_interleaved
-from .workloads import EPS, StepSet, make_sets, step_bytes
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, StepSet, make_sets, step_bytes
 
 H_DEFAULT = 7168
 TOKENS = (1, 4, 8, 32)

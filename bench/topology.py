@@ -1,4 +1,4 @@
-"""The automatic topology's grid (python -m attnres.bench topology): attn_res_add_rmsnorm with one addend under
+"""The automatic topology's grid (python -m bench topology): attn_res_add_rmsnorm with one addend under
 the default options and on every kernel the call can run on, forced (split_k; single_cta for N <= 4; the
 persistent kernel), at T in {128, 256, 512, 1024, 2048, 4096} x N = 3..16, H = 7168, cold L2 (the project's
 harness: rotating sets past twice the L2, peers.calls_per_graph calls per graph), all of a point interleaved.

@@ -1,4 +1,4 @@
-"""The single-GPU benchmark of the fused all-reduce epilogues (python -m attnres.bench allreduce).
+"""The single-GPU benchmark of the fused all-reduce epilogues (python -m bench allreduce).
 
 The world: attnres.tp.InProcessWorld with W = 2 ranks on one GPU, each rank's kernels on its own stream, the
 peers' buffers in the same GPU's memory. Per site and T, these variants, each called by every rank:
@@ -40,11 +40,10 @@ import torch
 
 import attnres
 from attnres.all_reduce import all_reduce, all_reduce_attn_res_add_rmsnorm, moe_finalize_all_reduce
+from attnres.bench.timing import Timing, quantile, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, make_sets, step_bytes
 from attnres.moe import moe_finalize
 from attnres.tp import CommunicatorError, InProcessWorld
-
-from .timing import Timing, _quantile, rotating_sets, time_interleaved
-from .workloads import EPS, make_sets, step_bytes
 
 WORLD = 2
 TOKENS = (1, 4, 8, 32)
@@ -222,7 +221,7 @@ def _time_cpu(world: InProcessWorld, calls: dict[str, Variant], repeats: int) ->
     out = {}
     for name, values in samples.items():
         v = sorted(values)
-        out[name] = Timing(statistics.median(v), _quantile(v, 0.1), _quantile(v, 0.9), v[0], 1, repeats)
+        out[name] = Timing(statistics.median(v), quantile(v, 0.1), quantile(v, 0.9), v[0], 1, repeats)
     return out
 
 

@@ -1,4 +1,4 @@
-"""The persistent kernel's geometry variants (python -m attnres.bench persistent --variants): one run measures
+"""The persistent kernel's geometry variants (python -m bench persistent --variants): one run measures
 every variant of attnres._persistent_tuning interleaved, at T in {4096, 16384} x N in {2, 9}, with the addend,
 H = 7168 by default, against the per-token kernel and the copy floor of the same run (floors.copy_bandwidth_tbs:
 the faster of copy_ and an SM copy kernel, after a warm-up).
@@ -21,10 +21,10 @@ import torch
 
 import attnres
 from attnres import _persistent_tuning as tuning
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, make_sets
 
 from .persistent import H_DEFAULT, op_bytes
-from .timing import capture, rotating_sets, time_interleaved
-from .workloads import EPS, make_sets
 
 TOKENS = (4096, 16384)
 CANDIDATES = (2, 9)

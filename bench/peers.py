@@ -1,4 +1,4 @@
-"""The side-by-side points (python -m attnres.bench peers): attn_res_add_rmsnorm with one addend (`prefix +
+"""The side-by-side points (python -m bench peers): attn_res_add_rmsnorm with one addend (`prefix +
 delta`, output RMSNorm) at the (T, N) points of the kernels issue's table against the other Hopper kernels,
 plus the persistent range (T = 1024, 4096, 16384 x N = 2, 9, 12), H = 7168.
 
@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import torch
 
 import attnres
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, make_sets
 
 from .persistent import op_bytes
-from .timing import capture, rotating_sets, time_interleaved
-from .workloads import EPS, make_sets
 
 H_DEFAULT = 7168
 

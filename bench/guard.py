@@ -22,11 +22,10 @@ import statistics
 from dataclasses import dataclass, field
 
 import attnres
+from attnres.bench.finalize import D as FIN_D, K as FIN_K, input_sets as finalize_sets
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import attnres_call, eager_tail_adds, make_sets, step_bytes
 from attnres.moe import moe_finalize
-
-from .finalize import D as FIN_D, K as FIN_K, _sets as finalize_sets
-from .timing import capture, rotating_sets, time_interleaved
-from .workloads import attnres_call, eager_tail_adds, make_sets, step_bytes
 
 K_NOISE = 3.0
 FLOOR = 0.03

@@ -1,4 +1,4 @@
-"""The tensor-parallel suite (`python -m attnres.bench tp`; under torchrun or spawning its own ranks): Kimi K3's
+"""The tensor-parallel suite (`python -m bench tp`; under torchrun or spawning its own ranks): Kimi K3's
 93-layer decode step under TP = 2 as one CUDA graph per variant, with the NCCL all-reduce time separated, and
 the latencies a fused one-shot all-reduce + AttnRes epilogue would have to beat (docs/tp.md).
 
@@ -40,18 +40,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 import attnres
+from attnres.bench import results
+from attnres.bench.chain import BANK_FILL, Chain, SiteTrace, trace_diffs, with_sublayers
+from attnres.bench.timing import Timing, quantile, rotating_sets, time_interleaved
+from attnres.bench.workloads import attnres_call, make_sets
+from attnres.graphs import capture
 from attnres.models.kimi_k3 import KimiK3Config, ResidualSettings
 from attnres.models.kimi_k3.tp import (ROUTED_SCALE, Shards, finalize_partial, shard_range,
                                        tensor_parallel_model)
 from attnres.moe import moe_finalize, rmsnorm_two_rounding
 from attnres.tp import NO_MULTICAST_ENV, RankContext, init, launch, shutdown, under_torchrun
 from attnres.tp.checks import ranks_disagree
-
-from ..graphs import capture
-from . import results
-from .chain import BANK_FILL, SiteTrace, _Chain, _diffs, _with_sublayers
-from .timing import Timing, _quantile, rotating_sets, time_interleaved
-from .workloads import attnres_call, make_sets
 
 TOKENS = (1, 8)
 H, LATENT, K_ROUTES = 7168, 3584, 16
@@ -139,7 +138,7 @@ def _record(ctx: RankContext, config: KimiK3Config, T: int, pdl: bool, seed: int
                                   _Recorder(layer.mlp, hook.log, layer.is_moe, ctx.rank))
         return recorders[layer.layer]
 
-    recording = _with_sublayers(model, make, ResidualSettings(fold=False, pdl=pdl))
+    recording = with_sublayers(model, make, ResidualSettings(fold=False, pdl=pdl))
     x0 = model.embed(T, step=seed)
     trace = SiteTrace()
     out = recording(x0, bank=recording.allocate_bank(T, fill=BANK_FILL), trace=trace)
@@ -170,7 +169,7 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
 
 def _timing(values: list[float], calls: int) -> Timing:
     v = sorted(values)
-    return Timing(statistics.median(v), _quantile(v, 0.1), _quantile(v, 0.9), v[0], calls, len(v))
+    return Timing(statistics.median(v), quantile(v, 0.1), quantile(v, 0.9), v[0], calls, len(v))
 
 
 def _time_ranked(ctx: RankContext, runs: dict, repeats: int, warmup: int, calls: dict | None = None
@@ -220,7 +219,7 @@ def chain_point(ctx: RankContext, config: KimiK3Config, T: int, *, pdl: bool = T
     chains = {}
     for variant, shards in (("tp_chain", ctx.shards()), ("tp_chain_no_comm", _no_comm(ctx))):
         for fold in (True, False):
-            chains[variant, fold] = _Chain(model, _feeds(recorders, shards), x0, fold, pdl)
+            chains[variant, fold] = Chain(model, _feeds(recorders, shards), x0, fold, pdl)
     buffers = [before.clone() for before, _ in log]
 
     def comm_only():
@@ -247,8 +246,8 @@ def chain_point(ctx: RankContext, config: KimiK3Config, T: int, *, pdl: bool = T
             r.replay()
         torch.cuda.synchronize()
     tp_on, tp_off = chains["tp_chain", True], chains["tp_chain", False]
-    fold_diffs = _diffs(tp_on, tp_off)
-    model_diffs = _diffs(tp_off, (model_out, model_trace))
+    fold_diffs = trace_diffs(tp_on, tp_off)
+    model_diffs = trace_diffs(tp_off, (model_out, model_trace))
     disagree = sorted({r for c in (tp_on, tp_off) for r in ranks_disagree(
         ctx, [t for s in c.last[1].sites for t in (s.prefix, s.output, s.tap)] + [c.last[0].output,
                                                                                    c.last[0].bank.storage])})
@@ -493,10 +492,10 @@ def summary(records: list[dict]) -> list[str]:
 
 
 def main(args) -> int:
-    """`python -m attnres.bench tp` (args from bench/__main__): under torchrun, this process is one rank;
+    """`python -m bench tp` (args from bench/__main__): under torchrun, this process is one rank;
     otherwise --nproc ranks are spawned. Exit 1 if a chain check failed."""
     if args.no_latencies and args.latencies_only:
-        raise SystemExit("attnres.bench tp: --no-latencies and --latencies-only exclude each other")
+        raise SystemExit("bench tp: --no-latencies and --latencies-only exclude each other")
     opts = dict(device=args.device, tokens=args.tokens, repeats=args.repeats, pdl=not args.no_pdl, seed=0,
                 out=args.out or "bench_results_tp.json", commit=args.commit, config=args.config,
                 latencies=not args.no_latencies, chain=not args.latencies_only, symm_mem=args.symm_mem,

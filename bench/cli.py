@@ -1,0 +1,240 @@
+"""python -m bench: this repository's own benchmark suites (kernel geometry, floors, the persistent kernel and its
+variants, the peers' points, the automatic topology, FP8, the all-reduce, TP, the regression guard, the figures
+of docs/perf), run from the root of a checkout against the attnres it imports. Results go to a JSON file keyed by
+GPU and commit.
+
+The suites that show a user the speed on their GPU (decode, finalize, chain, host) are the package's:
+`python -m attnres.bench`. This command line shares its options and measuring loop (attnres.bench.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import attnres
+from attnres.bench import chain, host, results
+from attnres.bench import cli as common
+from attnres.models.kimi_k3.config import HIDDEN_RULE, hidden_supported
+
+from . import allreduce, floors, fp8, guard, peers, persistent, persistent_variants, topology, tp, tune
+from .targets import targets
+
+SUITES = {
+    "tune": "the per-token kernels' geometry (kernel, cluster) at T = 1, H = 7168",
+    "floors": "copy bandwidth and launch floor of the GPU",
+    "persistent": "the persistent kernel vs the per-token kernel vs torch.compile, T = 32..32768, N in {2, 5, 9, "
+                  "12}, with and without the addend (about 3 minutes; not part of 'all'; --hidden sets H); "
+                  "--variants: the kernel's geometry variants at T = 4096, 16384 x N = 2, 9 instead (about a minute)",
+    "peers": "the default options and every kernel forced, one addend, warm and cold L2, at the points of the "
+             "kernels issue's side-by-side table (against the peers' figures of that run) and T = 1024..16384 x "
+             "N = 2, 9, 12, H = 7168 (not part of 'all'; --quick: 5 points)",
+    "topology": "the automatic topology against every kernel forced, one addend, cold L2, T = 128..4096 x N = "
+                "3..16, H = 7168 (about 2 minutes; not part of 'all'; --quick: 15 points)",
+    "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
+          "separated, plus all-reduce and op latencies (docs/tp.md)",
+    "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
+           "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all')",
+    "allreduce": "the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower bound: local "
+                 "memory instead of NVLink) against the plain op and the unfused all_reduce + op, T = 1..32",
+    "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
+    "all": "floors, decode, tune, finalize and chain (decode, finalize and chain as python -m attnres.bench runs them)",
+    "plot": "draw the PNGs of existing results files (--out, comma-separated) into --plots (no GPU needed)",
+}
+CPU_SUITES = ("tp", "allreduce")  # the suites --device cpu applies to
+
+# The common options' help, for this command line's suites (attnres.bench.cli.HELP: the package's).
+HELP = {
+    "out": "results file (JSON; default bench_results.json; guard: where to write its measurements, none when "
+           "omitted)",
+    "no_pdl": "decode, chain, persistent and guard without programmatic dependent launch",
+    "device": "cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a small "
+              "config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing",
+    "tokens": "comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8, its MoE "
+              "finalize 1,8,16,32)",
+    "hidden": "hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)",
+    "layers": "decoder layers (default 93 on cuda; on cpu 26, tp: 10)",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = common.new_parser("python -m bench", __doc__.split("\n\n")[0], SUITES)
+    common.add_common_arguments(p, HELP)
+    p.add_argument("--plots", default="docs/perf", help="plot: where the PNGs go (default docs/perf)")
+    t = p.add_argument_group("tp")
+    t.add_argument("--nproc", type=int, default=2, help="ranks to spawn when not under torchrun (default 2)")
+    t.add_argument("--no-latencies", action="store_true", help="the chain only (no all-reduce/op latency sweep)")
+    t.add_argument("--latencies-only", action="store_true",
+                   help="the all-reduce/op latency sweep only (no chain): e.g. --symm-mem in a process of its own, "
+                        "so that a failure there cannot take the chain's numbers with it")
+    t.add_argument("--symm-mem", action="store_true",
+                   help="also time torch's symmetric-memory one-shot all-reduce (P2P over NVLink, no multicast)")
+    v = p.add_argument_group("persistent")
+    v.add_argument("--variants", action="store_true",
+                   help="persistent: time the kernel's geometry variants (blocks per SM, ring slots, passes) "
+                        "interleaved against the copy floor, each checked bitwise (docs/performance.md)")
+    f = p.add_argument_group("fp8")
+    f.add_argument("--pow2", action="store_true", help="fp8: power-of-two scales (fp8_pow2_scales=True)")
+    g = p.add_argument_group("guard")
+    g.add_argument("--baseline", default=None,
+                   help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
+    g.add_argument("--against", default=None,
+                   help="compare this existing results file instead of measuring (no GPU needed)")
+    return p
+
+
+def _copy_floor(extra: dict) -> float:
+    """The device's copy bandwidth, measured now and kept in the results file's floors."""
+    extra["floors"] = {"copy_tbs": floors.copy_bandwidth_tbs()}
+    return extra["floors"]["copy_tbs"]
+
+
+def _floors_step(args) -> common.Step:
+    def step(progress, extra):
+        extra["floors"] = {"copy_tbs": floors.copy_bandwidth_tbs(), "launch": floors.launch_floor_us()}
+        return []
+
+    return step
+
+
+def _tune_step(args) -> common.Step:
+    return lambda progress, extra: tune.run(quick=args.quick, progress=progress)
+
+
+def _fp8_step(args) -> common.Step:
+    return lambda progress, extra: fp8.run(quick=args.quick, options=attnres.Options(pdl=not args.no_pdl),
+                                           progress=progress, repeats=args.repeats, pow2=args.pow2)
+
+
+def _peers_step(args) -> common.Step:
+    return lambda progress, extra: peers.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
+                                             repeats=args.repeats)
+
+
+def _topology_step(args) -> common.Step:
+    return lambda progress, extra: topology.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
+                                                repeats=args.repeats)
+
+
+def _persistent_step(args) -> common.Step:
+    suite = persistent_variants if args.variants else persistent
+    return lambda progress, extra: suite.run(**({} if args.variants else {"quick": args.quick}),
+                                             H=args.hidden or persistent.H_DEFAULT, pdl=not args.no_pdl,
+                                             copy_tbs=_copy_floor(extra), progress=progress, repeats=args.repeats)
+
+
+# suite -> its steps, in order (all: the package's decode, finalize and chain among this harness's floors and tune).
+STEPS = {
+    "floors": [_floors_step],
+    "tune": [_tune_step],
+    "fp8": [_fp8_step],
+    "peers": [_peers_step],
+    "topology": [_topology_step],
+    "persistent": [_persistent_step],
+    "all": [_floors_step, common.SUITE_STEPS["decode"], _tune_step, common.SUITE_STEPS["finalize"],
+            common.SUITE_STEPS["chain"]],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.suite == "plot":
+        from .plots import make_plots
+
+        for path in make_plots((args.out or "bench_results.json").split(","), args.plots):
+            print(path)
+        return 0
+    common.check_device(p, args, CPU_SUITES)
+    if args.variants and args.suite != "persistent":
+        p.error("--variants applies to the persistent suite only")
+    if args.variants and args.quick:
+        p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9): drop --quick")
+    if args.suite == "persistent" and args.hidden is not None and not hidden_supported(args.hidden):
+        p.error(f"--hidden must be {HIDDEN_RULE}, got {args.hidden}")
+    if args.suite == "tp":
+        return _tp(args, p)
+    if args.suite == "guard":
+        return _guard(args)
+    if args.suite == "allreduce":
+        return _allreduce(args)
+    return common.measure(args, STEPS[args.suite], name="bench",
+                          summaries=(chain, persistent, persistent_variants, fp8, peers, topology, host),
+                          checks=(common.chains_agree, fp8_agrees, variants_agree), targets=targets)
+
+
+def variants_agree(records: list[dict]) -> bool:
+    """The persistent variants' correctness check (every geometry = the per-token kernel's bits), on stderr."""
+    bad = persistent_variants.differing(records)
+    if bad:
+        print(f"persistent variants: output bits DIFFER from the per-token kernel's at (T, N, H, variant) = {bad}",
+              file=sys.stderr)
+    return not bad
+
+
+def fp8_agrees(records: list[dict]) -> bool:
+    """The fp8 suite's correctness check (fused codes and scales = the reference quantization), on stderr."""
+    bad = sorted({(r["T"], r["N"], r["mode"]) for r in records
+                  if r.get("suite") == "fp8" and r.get("bitwise_equal") is False})
+    if bad:
+        print(f"fp8: the fused FP8 output DIFFERS from quantize(output) at (T, N, mode) = {bad}", file=sys.stderr)
+    return not bad
+
+
+def _tp(args, parser) -> int:
+    if args.nproc < 2:
+        parser.error("--nproc must be >= 2 (tensor parallelism needs ranks to reduce over)")
+    args.tokens = common.chain_tokens(args) if args.tokens is not None else tp.TOKENS
+    custom = args.hidden is not None or args.layers is not None or args.block is not None
+    args.config = common.chain_config(args, args.device) if custom else None
+    return tp.main(args)
+
+
+def _allreduce(args) -> int:
+    if args.tokens is None:
+        tokens = allreduce.QUICK_TOKENS if args.quick else allreduce.TOKENS
+        moe_tokens = allreduce.QUICK_MOE_TOKENS if args.quick else allreduce.MOE_TOKENS
+    else:
+        tokens = moe_tokens = common.chain_tokens(args)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench allreduce needs a CUDA GPU (or --device cpu, which measures nothing)", file=sys.stderr)
+        return 2
+    out = args.out or "bench_results.json"
+    meta = results.metadata(args.commit, device=args.device)
+    records = allreduce.run(tokens=tokens, moe_tokens=moe_tokens, device=args.device, repeats=args.repeats,
+                            progress=common.print_progress)
+    results.save(out, meta, records, {"note": allreduce.LOWER_BOUND if args.device == "cuda" else allreduce.CPU_NOTE})
+    print(f"\n{meta['gpu'] or 'CPU'} commit {meta['commit']}: {len(records)} records -> {out}")
+    for line in allreduce.summary(records):
+        print(line)
+    if not all(r["bitwise_equal"] for r in records):
+        print("allreduce: the fused and unfused paths DIFFER (see bitwise_equal)", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _guard(args) -> int:
+    if not args.baseline:
+        print("guard: --baseline FILE is required (e.g. bench_results/h200_4aed4f9.json)", file=sys.stderr)
+        return 2
+    try:
+        base_meta, base_records = guard.load(args.baseline)
+        if args.against:
+            new_meta, new_records = guard.load(args.against)
+        else:
+            if not torch.cuda.is_available():
+                print("guard: measuring needs a CUDA GPU (or --against FILE)", file=sys.stderr)
+                return 2
+            new_meta = results.metadata(args.commit)
+            new_records = guard.measure(repeats=args.repeats, options=attnres.Options(pdl=not args.no_pdl),
+                                        progress=common.print_progress)
+            if args.out:
+                results.save(args.out, new_meta, new_records, {"guard_baseline": args.baseline})
+    except (OSError, ValueError) as e:
+        print(f"guard: {e}", file=sys.stderr)
+        return 2
+    report = guard.compare(base_records, new_records, base_meta=base_meta, new_meta=new_meta)
+    for line in guard.format_report(report):
+        print(line)
+    return report.exit_code()
