@@ -1,6 +1,6 @@
 """The single-GPU benchmark of the fused all-reduce epilogues (python -m bench allreduce).
 
-The world: attnres.tp.InProcessWorld with W = 2 ranks on one GPU, each rank's kernels on its own stream, the
+The world: attnres.comm.InProcessWorld with W = 2 ranks on one GPU, each rank's kernels on its own stream, the
 peers' buffers in the same GPU's memory. Per site and T, these variants, each called by every rank:
 
 * plain       the op without any reduction (the single-GPU epilogue): attn_res_add_rmsnorm with the partial as
@@ -43,7 +43,7 @@ from attnres.all_reduce import all_reduce, all_reduce_attn_res_add_rmsnorm, moe_
 from attnres.bench.timing import Timing, quantile, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets, step_bytes
 from attnres.moe import moe_finalize
-from attnres.tp import CommunicatorError, InProcessWorld
+from attnres.comm import CommunicatorError, InProcessWorld
 
 WORLD = 2
 TOKENS = (1, 4, 8, 32)

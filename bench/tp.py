@@ -49,8 +49,8 @@ from attnres.models.kimi_k3 import KimiK3Config, ResidualSettings
 from attnres.models.kimi_k3.tp import (ROUTED_SCALE, Shards, finalize_partial, shard_range,
                                        tensor_parallel_model)
 from attnres.moe import moe_finalize, rmsnorm_two_rounding
-from attnres.tp import NO_MULTICAST_ENV, RankContext, init, launch, shutdown, under_torchrun
-from attnres.tp.checks import ranks_disagree
+from tp_check.checks import ranks_disagree
+from tp_check.launch import NO_MULTICAST_ENV, RankContext, init, launch, shutdown, under_torchrun
 
 TOKENS = (1, 8)
 H, LATENT, K_ROUTES = 7168, 3584, 16

@@ -6,12 +6,16 @@ Everything is drawn on the CPU from a seeded generator and then moved, so a CPU 
 same case see the same bits. Storage the call must not read (bank rows past K, padding after a row) holds
 NaN: a kernel that reads it produces NaN, which every accuracy check rejects.
 
-`oracle` runs the float64 reference (attnres.reference) for a case.
+`oracle` runs the float64 reference (attnres.reference) for a case. `ROOT` is the repository root (the harness
+packages bench, stress and tp_check live there); `checkout_env` puts it, and this attnres, on a subprocess's
+PYTHONPATH.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -19,6 +23,7 @@ from torch import Tensor
 import attnres
 from attnres import reference
 
+ROOT = Path(__file__).resolve().parent.parent
 BF16 = torch.bfloat16
 LAYOUTS = ("contiguous", "snapshot_major", "token_major")
 BF16_TINY = torch.finfo(BF16).smallest_normal  # below this (and nonzero) a bf16 value is subnormal
@@ -313,3 +318,12 @@ def max_cluster_library() -> int:
             return int(m.group(1))
         raise
     raise AssertionError("the plan accepted a cluster of 1000")
+
+
+def checkout_env() -> dict[str, str]:
+    """os.environ with the repository root and the attnres these tests import first on PYTHONPATH: a subprocess
+    started outside the root runs the checkout's harness packages (python -m tp_check ...) against the same
+    library."""
+    first = [str(ROOT), str(Path(attnres.__file__).resolve().parent.parent)]
+    rest = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(first + ([rest] if rest else []))}

@@ -18,7 +18,7 @@ import torch
 import attnres
 from attnres import _C
 from attnres.all_reduce import record_all_reduce_decisions, supports_moe_finalize_all_reduce  # noqa: F401
-from attnres.tp import Communicator, CommunicatorError, InProcessWorld
+from attnres.comm import Communicator, CommunicatorError, InProcessWorld
 
 from conftest import DEVICES, HAS_CUDA, requires_cuda
 from helpers import make_inputs
@@ -351,7 +351,7 @@ def test_moe_support_predicate():
 
 # ------------------------------------------------------------------------------- two gloo ranks on the CPU
 def _gloo_rank():
-    from attnres.tp import init, shutdown
+    from tp_check.launch import init, shutdown
 
     ctx = init("cpu")
     comm = Communicator.create(4, 128)
@@ -371,7 +371,7 @@ def _gloo_rank():
 
 
 def test_two_gloo_ranks():
-    from attnres.tp import launch
+    from tp_check.launch import launch
 
     results = launch(_gloo_rank, 2)
     parts = partials_for(2, 3, 128, seed=21)
@@ -454,7 +454,7 @@ def test_pdl_chain_with_plain_ops():
 
 _FAULT_SCRIPT = textwrap.dedent("""
     import torch, attnres
-    from attnres.tp import InProcessWorld, CommunicatorError
+    from attnres.comm import InProcessWorld, CommunicatorError
     world = InProcessWorld(2, 4, 256, device="cuda", timeout_s=0.2)
     out = torch.full((1, 256), 7.0, dtype=torch.bfloat16, device="cuda")
     got = attnres.all_reduce(world.comms[0], torch.ones(1, 256, dtype=torch.bfloat16, device="cuda"))
@@ -538,7 +538,7 @@ def test_ranks_called_with_different_tokens_raise_and_write_nothing(tokens, op):
 def _ipc_rank(W, T, D):
     import torch.distributed as dist
 
-    from attnres.tp import shutdown
+    from tp_check.launch import shutdown
 
     os.environ.setdefault("LOCAL_WORLD_SIZE", str(W))
     dist.init_process_group("gloo")
@@ -560,7 +560,7 @@ def _ipc_rank(W, T, D):
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", [2, 4])
 def test_processes_on_one_gpu_exchange_ipc_handles(W):
-    from attnres.tp import launch
+    from tp_check.launch import launch
 
     T, D = 2, 7168
     results = launch(_ipc_rank, W, W, T, D)

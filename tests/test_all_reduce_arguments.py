@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attnres
-from attnres.tp import InProcessWorld
+from attnres.comm import InProcessWorld
 
 from helpers import make_inputs
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attnres
-from attnres.tp import CommunicatorError, InProcessWorld
+from attnres.comm import CommunicatorError, InProcessWorld
 
 from test_all_reduce import bits, contract
 

@@ -9,7 +9,7 @@ import torch
 
 import attnres
 from attnres import _C
-from attnres.tp import InProcessWorld
+from attnres.comm import InProcessWorld
 
 from conftest import DEVICES, requires_cuda
 from test_all_reduce import bits, contract, partials_for

@@ -63,7 +63,7 @@ def test_moe_finalize_runs_at_its_own_tokens():
 
 def test_a_stalled_point_names_itself(monkeypatch):
     """A point whose exchange stalls (CommunicatorError from world.check) fails the run naming the point."""
-    from attnres.tp import CommunicatorError
+    from attnres.comm import CommunicatorError
 
     def stalled(site, T, world, *args):
         raise CommunicatorError("rank 0 timed out")

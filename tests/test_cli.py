@@ -14,13 +14,14 @@ import pytest
 from attnres import __main__ as cli
 from attnres import demo
 from attnres.bench.cli import parser as bench_parser
-from attnres.tp.cli import parser as tp_parser
 
 from conftest import requires_cuda
+from bench.cli import parser as harness_bench_parser
 from stress.cli import parser as stress_parser
+from tp_check.cli import parser as tp_parser
 
-ENTRY_POINTS = ("demo", "bench", "tp")
-HARNESSES = ("stress",)  # run from a checkout: python -m NAME
+ENTRY_POINTS = ("demo", "bench")
+HARNESSES = ("bench", "stress", "tp_check")  # run from a checkout: python -m NAME
 
 
 def _subparsers(p: argparse.ArgumentParser):
@@ -32,8 +33,8 @@ def _subparsers(p: argparse.ArgumentParser):
 def _all_parsers():
     """Every (name, parser) of every CLI, subcommands included (the forwarded stubs of the top level are listed
     by their own CLIs)."""
-    out = [("attnres", cli.parser()), ("attnres.bench", bench_parser()), ("stress", stress_parser()),
-           ("attnres.tp", tp_parser())]
+    out = [("attnres", cli.parser()), ("attnres.bench", bench_parser()), ("bench", harness_bench_parser()),
+           ("stress", stress_parser()), ("tp_check", tp_parser())]
     for name, p in list(out):
         for sub, sp in _subparsers(p):
             if not (name == "attnres" and sub in cli.FORWARDED):
@@ -80,7 +81,7 @@ def test_user_help_holds_no_developer_notes():
             assert phrase not in text, f"{name}: {phrase!r} in its help"
 
 
-@pytest.mark.parametrize("command", ["bench", "tp"])
+@pytest.mark.parametrize("command", ["bench"])
 def test_entry_points_forward_to_their_own_command_line(command, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main([command, "--help"])

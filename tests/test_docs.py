@@ -1,7 +1,8 @@
 """The docs stay true to the tree: every relative link in README.md and docs/ resolves (the file, and its #anchor
 by GitHub's rules), every results file they cite is committed, every `python -m attnres ...` (or `torchrun ... -m
-attnres...`) command line shown in them, and every one of the checkout's harnesses (`python -m bench|stress|
-tp_check ...`), parses with its entry point's own argparse parser (nothing runs: a few seconds for all of them), no page is over 40 KB, and the CPU demo's H200 figures are the committed file's."""
+attnres...`) command line shown in them, and every one of the checkout's harnesses (`python -m bench ...`,
+`stress`, `tp_check`), parses with its entry point's own argparse parser (nothing runs: a few seconds for all of
+them), no page is over 40 KB, and the CPU demo's H200 figures are the committed file's."""
 
 from __future__ import annotations
 

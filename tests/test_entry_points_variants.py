@@ -17,7 +17,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnres
-from attnres.tp import InProcessWorld
+from attnres.comm import InProcessWorld
 
 BF16 = torch.bfloat16
 T, H, K = 4, 128, 2
@@ -241,7 +241,7 @@ def test_first_call_after_import_does_not_import_dynamo(call):
         import torch, attnres
         lr = torch.randn(4, 64).bfloat16(); bank = torch.randn(2, 4, 64).bfloat16()
         w = torch.ones(64, dtype=torch.bfloat16)
-        from attnres.tp import InProcessWorld; c = InProcessWorld(1, 8, 64).comms[0]
+        from attnres.comm import InProcessWorld; c = InProcessWorld(1, 8, 64).comms[0]
         t = time.perf_counter(); {call}; first = time.perf_counter() - t
         print(first, "torch._dynamo" in sys.modules)
     """)

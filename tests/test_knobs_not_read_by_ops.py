@@ -75,8 +75,7 @@ def test_import_ops_plan_options_gates_and_a_model_with_settings_read_no_knob():
 
 
 @pytest.mark.parametrize("argv", [["attnres", "--help"], ["attnres", "demo", "--help"], ["attnres", "bench", "--help"],
-                                  ["attnres", "tp", "--help"], ["bench", "--help"], ["stress", "--help"]],
-                         ids=" ".join)
+                                  ["bench", "--help"], ["stress", "--help"], ["tp_check", "--help"]], ids=" ".join)
 def test_entry_point_help_reads_no_knob(argv):
     out = _python(["-m", *argv], BAD_ENV)
     assert out.returncode == 0, out.stderr

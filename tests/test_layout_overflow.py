@@ -11,7 +11,7 @@ import torch
 
 import attnres
 from attnres import _C
-from attnres.tp import InProcessWorld
+from attnres.comm import InProcessWorld
 
 np = pytest.importorskip("numpy")
 

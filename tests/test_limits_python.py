@@ -30,7 +30,7 @@ PYTHON_LIMITS = {
     "attnres.options": {"MAX_CLUSTER": "max_cluster"},
     "attnres.models.kimi_k3.config": {"MAX_CANDIDATES": "max_candidates", "MAX_HIDDEN": "max_hidden",
                                       "HIDDEN_MULTIPLE": "hidden_multiple"},
-    "attnres.tp.communicator": {"MAX_WORLD": "all_reduce_max_world", "MAX_WIDTH": "all_reduce_max_width",
+    "attnres.comm.communicator": {"MAX_WORLD": "all_reduce_max_world", "MAX_WIDTH": "all_reduce_max_width",
                                 "WIDTH_MULTIPLE": "all_reduce_width_multiple", "SLOTS": "all_reduce_slots"},
     "attnres.all_reduce": {"_MAX_ROUTES": "moe_finalize_max_routes", "_MAX_WIDTH": "all_reduce_max_width",
                            "_WIDTH_MULTIPLE": "all_reduce_width_multiple"},
@@ -71,7 +71,7 @@ def test_tail_route_hidden_bounds_are_the_ops():
 
 
 def test_communicator_width_bounds_are_the_librarys():
-    from attnres.tp.communicator import _check_shape_args
+    from attnres.comm.communicator import _check_shape_args
 
     top, step = LIMITS["all_reduce_max_width"], LIMITS["all_reduce_width_multiple"]
     _check_shape_args(2, 1, top, 1.0)

@@ -1,6 +1,6 @@
 """Tensor parallelism (docs/tp.md): the Kimi K3 decode chain with TP stand-in sub-layers on two ranks.
 
-On the CPU (CI) two gloo ranks are spawned and run the checks of attnres.tp.checks on a small config; with two
+On the CPU (CI) two gloo ranks are spawned and run the checks of tp_check.checks on a small config; with two
 Hopper GPUs the same checks run on NCCL with Kimi K3's real config (93 layers, H = 7168), and skip otherwise.
 Asserted: every rank ends each step with bit-identical prefixes, bank and outputs; TP = 2 equals the TP = 1
 chain on the summed partials bitwise; fold on == fold off under TP; the chain's MoE consumes the local-route
@@ -11,7 +11,6 @@ path), and the pieces in one process: Shards, the stand-ins, the launcher's envi
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import replace
 import os
@@ -26,9 +25,11 @@ from attnres.models.kimi_k3.residual import FUSED_ADD2
 from attnres.models.kimi_k3.sublayers import _LayerRandom
 from attnres.models.kimi_k3.tp import (Shards, StandInRoutedExperts, TPAttention, TPDenseMLP, TPMoE, latent_width,
                                        permuted_rows, shard_range, tensor_parallel_model)
-from attnres.tp import NO_MULTICAST_ENV, cuda_ranks_available, forbid_multicast, launch, resolve_device, under_torchrun
-from attnres.tp import checks as C
-from attnres.tp.cli import check_rank_variants, default_opts, main
+from helpers import checkout_env
+from tp_check import checks as C
+from tp_check.cli import check_rank_variants, default_opts, main
+from tp_check.launch import (NO_MULTICAST_ENV, cuda_ranks_available, forbid_multicast, launch, resolve_device,
+                             under_torchrun)
 
 pytestmark = pytest.mark.usefixtures("one_intra_op_thread")
 
@@ -69,10 +70,10 @@ def test_two_ranks(backend, tmp_path):
     took 12 s; as a subprocess with a timeout, a stall now reports the command's own output so far.)"""
     device = "cpu" if backend == "gloo-cpu" else "cuda"
     out = tmp_path / "checks.json"
-    cmd = [sys.executable, "-m", "attnres.tp", "check", "--device", device, "--tokens", "1,8", "--steps", "2",
+    cmd = [sys.executable, "-m", "tp_check", "check", "--device", device, "--tokens", "1,8", "--steps", "2",
            "--json", str(out)]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=checkout_env())
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{' '.join(cmd)} ran past 300 s; its output so far:\n{e.stdout or ''}\n{e.stderr or ''}")
     text = proc.stdout + proc.stderr
@@ -118,17 +119,17 @@ ONE_GPU_RUNS = [(2, "1,4", 2, 14), (4, "1", 1, 6)]
 @pytest.mark.skipif(not ONE_GPU, reason=NO_ONE_GPU)
 @pytest.mark.parametrize("W,tokens,steps,layers", ONE_GPU_RUNS, ids=[f"W{r[0]}" for r in ONE_GPU_RUNS])
 def test_ranks_as_processes_on_one_gpu(W, tokens, steps, layers, tmp_path):
-    """`python -m attnres.tp check --one-gpu`: W processes on cuda:0, gloo for torch.distributed, the one-shot
+    """`python -m tp_check check --one-gpu`: W processes on cuda:0, gloo for torch.distributed, the one-shot
     ops through CUDA IPC. The same families of checks as on W GPUs pass: ranks bit-identical (torch.distributed
     path and one-shot ops), every all-reduce within its bound, at W = 2 TP == TP = 1 on the summed partials and
     the one-shot chain == the torch.distributed chain bitwise, at W = 4 the one-shot sites taken, fold on == fold
     off, the MoE's local-route finalize, the finalize under TP at the real latent shape."""
     out = tmp_path / "checks.json"
-    cmd = [sys.executable, "-m", "attnres.tp", "check", "--one-gpu", "--device", "cuda", "--nproc", str(W),
+    cmd = [sys.executable, "-m", "tp_check", "check", "--one-gpu", "--device", "cuda", "--nproc", str(W),
            "--tokens", tokens, "--steps", str(steps), "--layers", str(layers), "--block", "4", "--json", str(out)]
     try:
         # Below the GPU suite's per-test limit (tools/gpu_check.sh: 180 s), so that a stall shows its output.
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path, env=checkout_env())
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{' '.join(cmd)} ran past 170 s; its output so far:\n{e.stdout or ''}\n{e.stderr or ''}")
     text = proc.stdout + proc.stderr
@@ -160,7 +161,7 @@ def test_ranks_as_processes_on_one_gpu(W, tokens, steps, layers, tmp_path):
 def test_one_gpu_flag_rejections(monkeypatch, capfd):
     """--one-gpu puts every rank on cuda:0: with --device cpu, or where cuda:0 cannot take the ranks, the
     command line refuses before spawning anything (exit 2, the reason on stderr)."""
-    L = importlib.import_module("attnres.tp.launch")  # (attnres.tp.launch is also the function)
+    import tp_check.launch as L
 
     with pytest.raises(SystemExit) as e:
         main(["check", "--one-gpu", "--device", "cpu"])
@@ -171,11 +172,11 @@ def test_one_gpu_flag_rejections(monkeypatch, capfd):
         with pytest.raises(SystemExit) as e:
             main(["check", "--one-gpu", "--device", device, "--nproc", "2"])
         assert e.value.code == 2
-        assert "--one-gpu: attnres.tp: one GPU for every rank: no CUDA device visible" in capfd.readouterr().err
+        assert "--one-gpu: tp_check: one GPU for every rank: no CUDA device visible" in capfd.readouterr().err
 
 
 def test_resolve_one_gpu_device(monkeypatch):
-    L = importlib.import_module("attnres.tp.launch")  # (attnres.tp.launch is also the function)
+    import tp_check.launch as L
 
     asked = []
     monkeypatch.setattr(L, "cuda_ranks_available", lambda n: (asked.append(n), (True, ""))[1])
@@ -191,7 +192,7 @@ def test_resolve_one_gpu_device(monkeypatch):
 
 def test_one_gpu_option_defaults_off_and_reaches_init(monkeypatch):
     """The rank entry point passes the option to init (the default is the per-GPU / CPU group)."""
-    import attnres.tp.cli as cli
+    import tp_check.cli as cli
 
     assert default_opts()["one_gpu"] is False
     seen = []
@@ -466,7 +467,7 @@ def test_fused_all_reduce_gate_reasons_and_knob(monkeypatch):
     from attnres.all_reduce import record_all_reduce_decisions
     from attnres.models.kimi_k3.residual import PendingPartial
     from attnres.models.kimi_k3.tp import FusedAllReduce
-    from attnres.tp import InProcessWorld
+    from attnres.comm import InProcessWorld
 
     world = InProcessWorld(2, 4, 16)
     comm = world.comms[0]

@@ -15,9 +15,9 @@ import attnres
 from attnres import _C
 from attnres.all_reduce import supports_moe_finalize_all_reduce
 from attnres.moe_gate import supports_fused_moe_finalize
-from attnres.tp import Communicator, CommunicatorError, InProcessWorld
-from attnres.tp import arguments
-from attnres.tp.residency import check_resident, max_tokens
+from attnres.comm import Communicator, CommunicatorError, InProcessWorld
+from attnres.comm import arguments
+from attnres.comm.residency import check_resident, max_tokens
 
 from conftest import HAS_CUDA, requires_cuda
 

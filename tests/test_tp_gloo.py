@@ -10,7 +10,8 @@ import time
 import torch
 
 import attnres
-from attnres.tp import Communicator, CommunicatorError, launch
+from attnres.comm import Communicator, CommunicatorError
+from tp_check.launch import launch
 
 BF16 = torch.bfloat16
 LAUNCH_S = 120  # the whole two-process run, start-up included (2 cores shared with other jobs)
@@ -41,7 +42,7 @@ def _mismatch_cases(rank: int) -> dict:
 
 
 def _disagreeing_rank(timeout_s: float):
-    from attnres.tp import init, shutdown
+    from tp_check.launch import init, shutdown
 
     ctx = init("cpu", timeout_s=60)
     comm = Communicator.create(4, 16, timeout_s=timeout_s)
@@ -126,7 +127,7 @@ def test_disagreeing_ranks_raise_the_same_error_and_a_missing_rank_times_out():
 def _dying_rank(timeout_s: float):
     import torch.distributed as dist
 
-    from attnres.tp import init
+    from tp_check.launch import init
 
     ctx = init("cpu", timeout_s=60)
     comm = Communicator.create(4, 16, timeout_s=timeout_s)

@@ -67,7 +67,7 @@ bool registered(const CommRef& m) {
 void check_comm(const detail::Checker& c, const CommRef& m) {
   check_comm_fields(c, m);
   if (m.device.type == DeviceType::cuda && !registered(m))
-    c.fail("comm", "is not a registered communicator (register_communicator; attnres.tp.Communicator): the "
+    c.fail("comm", "is not a registered communicator (register_communicator; attnres.comm.Communicator): the "
                    "kernels write only buffers and state the library has recorded");
 }
 

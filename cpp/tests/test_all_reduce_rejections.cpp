@@ -125,7 +125,7 @@ TEST(AllReduceRejections, Output) {
 }
 
 // A CUDA communicator (validation only: the addresses are never dereferenced), registered as
-// attnres.tp.Communicator registers its own: the library launches only on registered communicators.
+// attnres.comm.Communicator registers its own: the library launches only on registered communicators.
 constexpr int64_t kRegionBytes = 3 * kW * (kCapacity + 1) * kD * 2;
 
 TensorRef cuda_state() {
@@ -296,7 +296,7 @@ TEST(AllReduceRejections, MoeFinalizeAllReduceArguments) {
 // Forged addresses: a CommRef that differs from every registered one in any address or field is refused.
 TEST(AllReduceRejections, UnregisteredCudaCommunicator) {
   const std::string msg = "all_reduce: comm is not a registered communicator (register_communicator; "
-                          "attnres.tp.Communicator): the kernels write only buffers and state the library has recorded";
+                          "attnres.comm.Communicator): the kernels write only buffers and state the library has recorded";
   expect_cuda_rejected([](Call& c) { c.args.comm.buffers[1] = 0x300000; }, msg);
   expect_cuda_rejected([](Call& c) { c.args.comm.state = 0x40010; }, msg);
   expect_cuda_rejected([](Call& c) { c.args.comm.capacity = 3; }, msg);

@@ -2,7 +2,6 @@
 
     python -m attnres demo     the Kimi K3 decode step with the MoE-tail fold off and on (attnres.demo)
     python -m attnres bench    the GPU benchmark suites (= python -m attnres.bench)
-    python -m attnres tp       the tensor-parallel checks of the decode chain (= python -m attnres.tp)
 
 `python -m attnres COMMAND --help` shows each command's options.
 """
@@ -21,8 +20,6 @@ import attnres
 FORWARDED = {
     "bench": ("attnres.bench.cli", "GPU benchmark suites (decode sweep, MoE finalize, decode chain, host cost of a "
                                    "call); results to a JSON file"),
-    "tp": ("attnres.tp.cli", "the decode chain under tensor parallelism: correctness checks on 2 ranks (NCCL on "
-                             "GPUs, gloo on the CPU)"),
 }
 DEMO_HELP = "the Kimi K3 decode step with the MoE-tail fold off and on: paths, bitwise check, step times"
 

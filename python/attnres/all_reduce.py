@@ -9,7 +9,7 @@
 * `moe_finalize_all_reduce(comm, rows, weights, index, norm_weight, ...)` — the local-route finalize, the
   all-reduce of the latent and the two-rounding latent RMSNorm in one kernel.
 
-`comm` is an attnres.tp.Communicator (allocated once, before any graph capture). On CUDA the kernels exchange
+`comm` is an attnres.comm.Communicator (allocated once, before any graph capture). On CUDA the kernels exchange
 the partials through the communicator's buffers; on the CPU the communicator gathers every rank's partial
 (torch.distributed over gloo, or the in-process world) and the CPU backend reduces them in rank order.
 

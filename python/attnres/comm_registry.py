@@ -19,7 +19,7 @@ _open: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary(
 
 
 def register(comm, *, state: torch.Tensor, regions: list[torch.Tensor] | None) -> int:
-    """Records `comm` (an attnres.tp.Communicator being built) and returns its handle. The record is dropped at
+    """Records `comm` (an attnres.comm.Communicator being built) and returns its handle. The record is dropped at
     comm.close() (unregister) or when comm is collected, whichever comes first: the memory it names is freed
     then, and a handle never outlives its memory."""
     op = "Communicator"
@@ -56,8 +56,8 @@ def unregister(handle: int) -> None:
 
 
 def timeout_ns(timeout_s: float) -> int:
-    """The bound in ns, as the library's int64 holds it: tp/arguments.py's rule (>= 1 ns, within int64), the one
+    """The bound in ns, as the library's int64 holds it: comm/arguments.py's rule (>= 1 ns, within int64), the one
     Communicator's constructor already applied, so a bound outside it is refused at creation."""
-    from .tp import arguments
+    from .comm import arguments
 
     return arguments.timeout_ns("Communicator", timeout_s)

@@ -8,7 +8,7 @@
 //
 // A real -0.0 element of a partial is read as +0.0 (the exchange uses -0.0 as its "not yet written" marker).
 //
-// The communicator (CommRef) is a view of memory the caller allocated and exchanged once (attnres.tp.Communicator):
+// The communicator (CommRef) is a view of memory the caller allocated and exchanged once (attnres.comm.Communicator):
 // per rank a buffer region of 3 slots x W sources x (`capacity` + 1) rows x `width` bf16 elements, initialised to
 // -0.0, reachable from every rank (peers' regions mapped through CUDA IPC or in one process), and this rank's
 // small state (generation, error word, arrival counter, tokens per slot, the error's details). Row `capacity` of
@@ -89,7 +89,7 @@ struct AllReduceQuery {
 
 // The communicators this process created. A CommRef carries raw addresses (every rank's region, the state), so
 // the library launches a kernel only on a CUDA CommRef equal to a registered one: a forged or stale address
-// never reaches a kernel, whichever entry point the call came through. attnres.tp.Communicator registers at
+// never reaches a kernel, whichever entry point the call came through. attnres.comm.Communicator registers at
 // creation and unregisters at close (or when collected). Registration checks what it can without reading
 // memory: the CommRef's own rules, `state` an int32 [kAllReduceStateWords] tensor at comm.state on comm.device,
 // `region_bytes` the size of one rank's region (3 x W x (capacity + 1) x width bf16; 0 on the CPU, which has no

@@ -145,7 +145,7 @@ class KimiK3Config:
         """The small CPU config the command-line tools share (`python -m attnres demo`, `python -m attnres.bench
         chain --device cpu`, `python -m stress chain --device cpu`): Kimi K3's structure (dense layer 0,
         MoE from layer 1, MLA layers, taps) at small()'s size, H = 256, 26 layers, snapshot block 4, so a decode
-        step takes a fraction of a second on one core. (`python -m attnres.tp check` has its own, shallower one:
+        step takes a fraction of a second on one core. (`python -m tp_check check` has its own, shallower one:
         it runs two ranks on the same cores.)"""
         return cls.small(**overrides)
 

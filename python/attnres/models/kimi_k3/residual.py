@@ -289,7 +289,7 @@ class PathRecord:
 class PendingPartial:
     """A row-parallel sub-layer's output on this rank before its all-reduce (tensor parallelism,
     attnres.models.kimi_k3.tp). A site whose route is the fused op hands `partial` and `comm` (an
-    attnres.tp.Communicator that supports this call) to attnres.all_reduce_attn_res_add_rmsnorm and calls
+    attnres.comm.Communicator that supports this call) to attnres.all_reduce_attn_res_add_rmsnorm and calls
     `fused()` to record it; any other consumer calls `reduce()` (the chain's own all-reduce, recorded there)."""
 
     partial: Tensor

@@ -9,7 +9,7 @@ Two ways in, the same code after:
 
 One GPU, W ranks (`init(..., one_gpu=True)`): NCCL refuses two ranks on one device, so the group is gloo (it
 all-reduces and all-gathers CUDA tensors through the host) and every rank's tensors live on cuda:0; the one-shot
-ops still run on the GPU, through attnres.tp.Communicator's CUDA IPC mapping of each process's buffers. The
+ops still run on the GPU, through attnres.comm.Communicator's CUDA IPC mapping of each process's buffers. The
 processes' kernels time-slice on the device, so a cross-process spin wait progresses only at a context switch:
 for correctness runs, not timing.
 
@@ -45,7 +45,7 @@ def forbid_multicast(environ: dict | None = None) -> list[str]:
     overridden = [f"{k}={env[k]}" for k, v in NO_MULTICAST_ENV.items() if k in env and env[k] != v]
     env.update(NO_MULTICAST_ENV)
     if overridden:
-        print(f"attnres.tp: NVLink multicast stays off: overriding {', '.join(overridden)} with "
+        print(f"tp_check: NVLink multicast stays off: overriding {', '.join(overridden)} with "
               f"{', '.join(f'{k}={v}' for k, v in NO_MULTICAST_ENV.items())}", file=sys.stderr)
     return overridden
 
@@ -79,7 +79,7 @@ def resolve_device(choice: str, world_size: int) -> str:
     if choice == "cuda":
         ok, why = cuda_ranks_available(world_size)
         if not ok:
-            raise RuntimeError(f"attnres.tp: device 'cuda': {why}")
+            raise RuntimeError(f"tp_check: device 'cuda': {why}")
     return choice
 
 
@@ -90,7 +90,7 @@ def resolve_one_gpu_device(choice: str) -> str:
         raise ValueError(f"one GPU for every rank: device must be 'cuda' or 'auto', got {choice!r}")
     ok, why = cuda_ranks_available(1)
     if not ok:
-        raise RuntimeError(f"attnres.tp: one GPU for every rank: {why}")
+        raise RuntimeError(f"tp_check: one GPU for every rank: {why}")
     return "cuda"
 
 
@@ -129,7 +129,7 @@ def init(device: str = "auto", *, one_gpu: bool = False, timeout_s: float = DEFA
     forbid_multicast()
     missing = [k for k in TORCHRUN_VARS if k not in os.environ]
     if missing:
-        raise RuntimeError(f"attnres.tp.init: {', '.join(missing)} not set (run under torchrun or attnres.tp.launch)")
+        raise RuntimeError(f"tp_check.launch.init: {', '.join(missing)} not set (run under torchrun or through tp_check.launch.launch)")
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = resolve_one_gpu_device(device) if one_gpu else resolve_device(device, local_world)
@@ -151,7 +151,7 @@ def init(device: str = "auto", *, one_gpu: bool = False, timeout_s: float = DEFA
     t = torch.full((1,), float(rank + 1), device=dev)
     dist.all_reduce(t)
     if float(t) != world * (world + 1) / 2:
-        raise RuntimeError(f"attnres.tp.init: warm-up all-reduce gave {float(t)}, expected {world * (world + 1) / 2}")
+        raise RuntimeError(f"tp_check.launch.init: warm-up all-reduce gave {float(t)}, expected {world * (world + 1) / 2}")
     return RankContext(rank, world, local, dev, backend, one_gpu)
 
 

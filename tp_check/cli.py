@@ -1,10 +1,10 @@
-"""The command line of python -m attnres.tp: tensor-parallel (TP) runs of the Kimi K3 decode chain.
+"""The command line of python -m tp_check: tensor-parallel (TP) runs of the Kimi K3 decode chain.
 
-    python -m attnres.tp check [--tokens 1,8] [--nproc 2]              spawns the ranks itself
-    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m attnres.tp check  under torchrun
-    python -m attnres.tp check --one-gpu --nproc 4 --tokens 1 --steps 1 every rank a process on cuda:0
+    python -m tp_check check [--tokens 1,8] [--nproc 2]              spawns the ranks itself
+    NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 -m tp_check check  under torchrun
+    python -m tp_check check --one-gpu --nproc 4 --tokens 1 --steps 1 every rank a process on cuda:0
 
-`check` runs attnres.tp.checks on every rank (NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the
+`check` runs tp_check.checks on every rank (NCCL on CUDA when every rank gets a Hopper GPU, else gloo on the
 CPU with a small config), prints PASS/FAIL per check (a check passes when it passed on every rank) and exits 1
 if any failed. With --one-gpu the W ranks are W processes on cuda:0 joined by gloo (NCCL refuses two ranks on
 one device; gloo moves CUDA tensors through the host) and the one-shot ops map each other's buffers through CUDA
@@ -73,7 +73,7 @@ def check_rank_variants(opts: dict, variants: list[dict]) -> list[list[C.Check]]
 
 def _report(ctx, config, o: dict, merged: list[C.Check], seconds: float) -> None:
     where = "every rank on cuda:0" if ctx.one_gpu else ctx.device.type
-    print(f"attnres.tp check: {ctx.world_size} ranks on {ctx.backend} ({where}), H={config.hidden_size}, "
+    print(f"tp_check check: {ctx.world_size} ranks on {ctx.backend} ({where}), H={config.hidden_size}, "
           f"{config.num_layers} layers, block {config.snapshot_block}, T={list(o['tokens'])}, {o['steps']} steps"
           + (f", mutation {o['mutation']}" if o["mutation"] != "none" else ""))
     for c in merged:
@@ -96,7 +96,7 @@ def default_opts(**overrides) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m attnres.tp", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tp_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     c = sub.add_parser("check", help="the TP correctness checks on every rank; exit 1 on any failure",

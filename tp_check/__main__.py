@@ -1,4 +1,4 @@
-"""python -m attnres.tp (see attnres.tp.cli)."""
+"""python -m tp_check (see tp_check.cli)."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The tensor-parallel checks, run on every rank of a group (`python -m attnres.tp check`, tests/test_tp.py):
+"""The tensor-parallel checks, run on every rank of a group (`python -m tp_check check`, tests/test_tp.py):
 
 1. ranks agree: after every decode step each rank holds bit-identical prefixes, normed outputs and taps at
    every site, the bank after every layer, and the model output;
@@ -237,7 +237,7 @@ def chain_checks(ctx: RankContext, config: KimiK3Config, tokens: int, *, steps: 
     watched = [moe_layers[0], moe_layers[-1]] if moe_layers else []
     for layer in watched:
         layer.mlp = _MoERecorder(layer.mlp)
-    from .communicator import Communicator
+    from attnres.comm import Communicator
 
     comms = [Communicator.create(tokens, config.hidden_size, device=ctx.device),
              Communicator.create(tokens, latent_width(config), device=ctx.device)]
