@@ -108,7 +108,7 @@ setup_python() {
   fi
   [ -x "$PYTHON" ] || python3 -m venv .venv  # reused when present: a re-run only checks the pins
   "$PYTHON" -m pip install -q "${PYTHON_DEPS[@]}"
-  # Where nvcc exists, NVIDIA's nvdisasm (a wheel) lets tests/test_sass_check.py compile the per-token kernels
+  # Where nvcc exists, NVIDIA's nvdisasm (a wheel) lets tests/kernels/test_sass_check.py compile the per-token kernels
   # for sm_90 and check their SASS schedule without a GPU. Optional: without it that one test skips.
   if command -v nvcc >/dev/null || [ -x /usr/local/cuda/bin/nvcc ]; then
     "$PYTHON" -m pip install -q nvidia-cuda-nvdisasm==13.5.37 ||

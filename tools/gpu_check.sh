@@ -82,7 +82,7 @@ if has test full; then
   # cannot interrupt a test blocked inside a CUDA call); the whole step is bounded so later steps still run.
   timeout "${PYTEST_WALL:-420}" python3 -m pytest -v -rfE --maxfail=40 -p no:cacheprovider -n "${PYTEST_WORKERS:-8}" \
     --timeout "${PYTEST_TIMEOUT:-180}" --timeout-method thread --junitxml="$OUT/pytest.xml" -m "${PYTEST_MARK:-gpu}" \
-    --deselect "tests/test_tp.py::test_two_ranks[nccl-cuda]" tests ${PYTEST_ARGS:-} \
+    --deselect "tests/tp/test_tp_chain.py::test_two_ranks[nccl-cuda]" tests ${PYTEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)|crashed|Timeout|passed|failed" "$OUT/pytest.log" | tail -45
   if [[ ${QUICK_BENCH:-1} == 1 ]]; then
@@ -142,7 +142,7 @@ if has peers; then
 fi
 if has variants; then
   step "persistent-kernel geometry variants: bits against split_k, then the interleaved benchmark vs the copy floor"
-  timeout 900 python3 -m pytest -q -m gpu tests/test_persistent_variants.py 2>&1 | tail -15 || status=1
+  timeout 900 python3 -m pytest -q -m gpu tests/kernels/test_persistent_variants.py 2>&1 | tail -15 || status=1
   timeout -s INT -k 20 "${VARIANTS_WALL:-240}" python3 -m bench persistent --variants \
     --out "$OUT/persistent_variants.json" 2>&1 | tail -40 || status=1
 fi
@@ -160,7 +160,7 @@ if has tp; then
   step "tensor parallelism on two GPUs (NCCL, NVLink multicast off): checks and benchmark"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   nvidia-smi topo -m 2>&1 | head -5 | tee "$OUT/topo.txt"
-  timeout "${TP_WALL:-240}" python3 -m pytest -v -rfE -p no:cacheprovider "tests/test_tp.py::test_two_ranks[nccl-cuda]" \
+  timeout "${TP_WALL:-240}" python3 -m pytest -v -rfE -p no:cacheprovider "tests/tp/test_tp_chain.py::test_two_ranks[nccl-cuda]" \
     2>&1 | tee "$OUT/tp_check.log" | tail -8 || status=1
   if [[ ${TP_BENCH:-1} == 1 ]]; then
     timeout "${TP_BENCH_WALL:-240}" python3 -m bench tp --out "$OUT/tp.json" 2>&1 | tail -20 || status=1
@@ -174,7 +174,7 @@ if has tp; then
   fi
 fi
 if has teeth; then
-  step "PDL release: tests/test_pdl_release.py against an entry-release mutant (tools/pdl_teeth.sh) must fail"
+  step "PDL release: tests/kernels/test_pdl_release.py against an entry-release mutant (tools/pdl_teeth.sh) must fail"
   OUT="$OUT" tools/pdl_teeth.sh || status=1
 fi
 if has bench full; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Shows that tests/test_pdl_release.py catches a PDL release placed too early (run on the H200):
+# Shows that tests/kernels/test_pdl_release.py catches a PDL release placed too early (run on the H200):
 # builds a mutant of the library whose kernels release their dependents at kernel entry (besides the real
 # release after the wait; the first release of a block is the one that counts), and runs the test file against
 # it with ATTNRES_PDL_TEETH=1: the chains that an entry release breaks must then read the poisoned row (and
@@ -32,9 +32,9 @@ if ! CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON" python3 -m pip
 fi
 loaded=$(cd "$REPO" && PYTHONPATH="$work/site" python3 -c "import attnres; print(attnres.__file__)")
 [[ $loaded == "$work/site/"* ]] || { echo "pdl_teeth: the mutant is not the attnres imported ($loaded)"; exit 2; }
-echo "== tests/test_pdl_release.py against the mutant ($loaded), ATTNRES_PDL_TEETH=1"
+echo "== tests/kernels/test_pdl_release.py against the mutant ($loaded), ATTNRES_PDL_TEETH=1"
 (cd "$REPO" && ATTNRES_PDL_TEETH=1 PYTHONPATH="$work/site" timeout "${TEETH_WALL:-300}" python3 -m pytest -q -p no:cacheprovider \
-  -rf tests/test_pdl_release.py 2>&1) | tee "$OUT/pdl_teeth.log" | grep -E "^FAILED|passed|failed" | tail -25
+  -rf tests/kernels/test_pdl_release.py 2>&1) | tee "$OUT/pdl_teeth.log" | grep -E "^FAILED|passed|failed" | tail -25
 rc=${PIPESTATUS[0]}
 [[ $rc == 0 ]] && echo "pdl_teeth: the entry-release mutant read the poisoned row where it must" ||
   echo "pdl_teeth: the tests did not catch the entry release (see $OUT/pdl_teeth.log)"

@@ -53,7 +53,7 @@ PY_SOURCES = {"python/attnres/_tensors.py": "attention", "python/attnres/ops.py"
               "python/attnres/moe_ops.py": "moe", "python/attnres/moe_tail.py": "moe",
               "python/attnres/all_reduce.py": "all_reduce", "python/attnres/_all_reduce_ops.py": "all_reduce"}
 MIN_LITERAL = 10
-DOC = ROOT / "docs" / "preconditions.md"  # the generated page (--write-docs), read by tests/test_precondition_table.py
+DOC = ROOT / "docs" / "preconditions.md"  # the generated page (--write-docs), read by tests/tools/test_precondition_table.py
 
 # Messages the parser lists but no call can raise, with the reason (checked: each must still be listed).
 # presence() is called for every argument; only some are ever required.

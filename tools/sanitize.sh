@@ -166,10 +166,10 @@ k_graph() {  # $1 size, $2 tool
     *) echo "(test_cuda_graphs_pdl and (1-5-7168 or 8-3-2304 or newest_bank_row or first_call_inside or callers_stream)) or (test_moe_finalize and graph) or (test_stress and calls_on_cuda_streams) or (test_all_reduce and graph_replay)" ;;
   esac
 }
-MAIN_FILES=(tests/test_ops_oracle.py tests/test_bitwise.py tests/test_moe_finalize.py tests/test_chain.py tests/test_persistent.py
-  tests/test_all_reduce.py tests/test_fp8.py)
-GRAPH_FILES=(tests/test_cuda_graphs_pdl.py tests/test_moe_finalize.py tests/test_stress.py tests/test_pdl_release.py
-  tests/test_all_reduce.py)
+MAIN_FILES=(tests/ops/test_ops_oracle.py tests/ops/test_bitwise.py tests/ops/test_moe_finalize.py tests/model/test_chain.py
+  tests/kernels/test_persistent.py tests/tp/test_all_reduce.py tests/ops/test_fp8.py)
+GRAPH_FILES=(tests/kernels/test_cuda_graphs_pdl.py tests/ops/test_moe_finalize.py tests/tools/test_stress.py
+  tests/kernels/test_pdl_release.py tests/tp/test_all_reduce.py)
 GTEST_ALL=${SANITIZE_GTEST_FILTER:-*Gpu*}
 # racecheck, synccheck and initcheck run a focused gtest set (every kernel family and mode: decode add, token-major
 # add2, the small padded case with its one-block cluster, PDL/graph determinism, the persistent ring): the full

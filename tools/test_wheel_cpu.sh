@@ -13,7 +13,7 @@
 # per torch version, rebuilt each run; the pytest logs land there too), FIND_LINKS (directories of
 # pre-downloaded wheels, e.g. torch's; space-separated), PYTEST_ARGS (default "-q -n 2"). PyPI's torch wheels
 # for Linux are CUDA builds (several GB with their nvidia-* dependencies); they run on the CPU like the CPU
-# builds, except that torch.device(0) then means cuda:0: tests/test_plan.py::
+# builds, except that torch.device(0) then means cuda:0: tests/ops/test_plan.py::
 # test_plan_accepts_every_device_form_it_did expects a CPU build of torch on a machine without a GPU, and fails.
 # Where pip's configuration caps torch (this development machine: /etc/xdg/pip/constraints.txt, torch<=2.14.1),
 # run with PIP_CONSTRAINT=/dev/null for 2.15.0.

@@ -1,4 +1,4 @@
-"""The tensor-parallel checks, run on every rank of a group (`python -m tp_check check`, tests/test_tp.py):
+"""The tensor-parallel checks, run on every rank of a group (`python -m tp_check check`, tests/tp/test_tp_chain.py):
 
 1. ranks agree: after every decode step each rank holds bit-identical prefixes, normed outputs and taps at
    every site, the bank after every layer, and the model output;

@@ -141,7 +141,7 @@ TEST(PlanRoute, NamesAreDistinct) {
 }
 
 // One code per reason the plan declines (the persistent_not_resident decline needs a GPU's occupancy
-// calculator: tests/test_plan_equals_launch.py).
+// calculator: tests/ops/test_plan_equals_launch.py).
 TEST(PlanDeclineCode, EveryReasonHasItsCode) {
   expect_declined(attnres::plan(query(kAdd, 0, 3, 64, true), h200()), DeclineCode::bad_shape, "T must be >= 1");
   expect_declined(attnres::plan(query(kAdd, 1, 17, 64, true), h200()), DeclineCode::bad_shape, "N must be in");

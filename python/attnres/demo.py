@@ -29,7 +29,7 @@ CPU_NOTE = ("CPU timings are not the point of the demo: the step runs eagerly an
 
 # What the fold saves on an H200: the committed results of `python -m attnres.bench chain` (93 layers, H = 7168,
 # one CUDA graph per step, median of 25 replays), copied here so an installed package can show them; the figures
-# are those of the file (tests/test_docs.py compares them). T: (fold off, fold on) median step time in µs.
+# are those of the file (tests/tools/test_docs.py compares them). T: (fold off, fold on) median step time in µs.
 H200_CHAIN_FILE = "bench_results/h200_f1e3a16_chain.json"
 H200_CHAIN_US = {1: (726.30, 447.17), 4: (896.32, 503.01), 8: (925.73, 526.66), 32: (1076.38, 646.56)}
 H200_MOE_LAYERS = 92

@@ -36,7 +36,7 @@
 //     completed. So every grid two or more launches before a kernel has completed (and its writes are
 //     visible) before that kernel's pre-wait loads run, by induction along the chain. A release at kernel
 //     entry would break exactly this: the pre-wait loads of a kernel could then overlap a kernel two launches
-//     earlier that is still writing the rows they read (tests/test_pdl_release.py; tools/pdl_teeth.sh runs
+//     earlier that is still writing the rows they read (tests/kernels/test_pdl_release.py; tools/pdl_teeth.sh runs
 //     it against an entry-release build to show that it catches that).
 #pragma once
 

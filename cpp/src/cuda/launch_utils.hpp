@@ -66,7 +66,7 @@ void set_shared_params(Params& p, const AttnResArgs& a) {
 // carveout (the driver picks the L1/shared split per launch, and one sized for a single block would leave a
 // second resident block without room). cudaFuncSetAttribute is neither a stream operation nor a
 // synchronisation: it is legal while a CUDA graph is being captured
-// (tests/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
+// (tests/kernels/test_cuda_graphs_pdl.py::test_first_call_inside_a_capture).
 inline void opt_into_shared_memory(const void* kernel, int device, int optin_bytes, bool max_carveout,
                                    const char* what) {
   static std::mutex mutex;

@@ -1,6 +1,6 @@
 // The two-rounding latent RMSNorm of moe_finalize (docs/ops/moe_finalize.md), one copy for the two kernels that
 // apply it: moe_finalize_kernel.cu (moe_finalize with a norm weight) and moe_finalize_all_reduce_kernel.cu (on the
-// reduced latent). For the same x both must give the same bits (tests/test_all_reduce.py checks the fused op's
+// reduced latent). For the same x both must give the same bits (tests/tp/test_all_reduce.py checks the fused op's
 // norm against moe_finalize's bit for bit), so the reduction order and every rounding are written here once:
 //
 //   ss     per thread over its x in element order (slice u = 0.., word i = 0..3, low half first), fmaf;

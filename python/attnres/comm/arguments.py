@@ -17,7 +17,7 @@ from .. import _C
 MAX_WORLD = _C.limits["all_reduce_max_world"]
 MAX_WIDTH = _C.limits["all_reduce_max_width"]
 WIDTH_MULTIPLE = _C.limits["all_reduce_width_multiple"]
-# CommRef::timeout_ns is an int64_t (cpp/include/attnres/all_reduce.hpp; tests/test_tp_communicator.py holds the
+# CommRef::timeout_ns is an int64_t (cpp/include/attnres/all_reduce.hpp; tests/tp/test_communicators.py holds the
 # binding to it) and the ops' schema int is int64 too.
 TIMEOUT_NS_MAX = (1 << 63) - 1
 # The exchange's header packs T into 32 bits (T | width << 32) and the state keeps tokens per slot as uint32.

@@ -56,7 +56,7 @@ def _region(world_size: int, capacity: int, width: int, device) -> Tensor:
 
 
 def _check_shape_args(world_size, capacity, width, timeout_s) -> None:
-    """The shape and timeout rules alone (tests/test_limits_python.py holds them to the library's limits)."""
+    """The shape and timeout rules alone (tests/ops/test_limits_python.py holds them to the library's limits)."""
     arguments.shape("Communicator", world_size, capacity, width)
     arguments.timeout_ns("Communicator", timeout_s)
 

@@ -6,7 +6,8 @@ import stat
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
+
 SCRIPT = ROOT / "tools" / "sanitize.sh"
 
 RING_WRITE = ("attnres::detail::bulk_copy_to_shared(unsigned int, const void *, unsigned int, unsigned int)+0x70d0 "

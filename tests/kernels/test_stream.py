@@ -8,7 +8,7 @@ reference order) and the float64 oracle at T below, at and above the grid (a blo
 limit), with two addends, the tap and the snapshot write, and with the knob forcing streaming at every T.
 Every output is poisoned (NaN) before it is read back from a second call, and the inputs' bytes must be
 unchanged. Also: CUDA-graph replay equals the eager call, and the release of dependents right after the wait
-(the PDL chains of tests/test_pdl_release.py run this kernel as their reader).
+(the PDL chains of tests/kernels/test_pdl_release.py run this kernel as their reader).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_stream_writes_the_snapshot_row_and_nothing_else(layout):
 
 def test_stream_runs_every_op_on_the_plan():
     """attn_res (mixture + fp32 diagnostics) and attn_res_rmsnorm stream on single_cta at T > SMs too: the
-    plan says so, and the results are split_k's bits (the full grid: tests/test_kernel_bits.py at T = 300)."""
+    plan says so, and the results are split_k's bits (the full grid: tests/kernels/test_kernel_bits.py at T = 300)."""
     T, N, H = 3 * _sms() + 1, 3, 7168
     inp = _inputs(T, N, H, seed=3)
     single = attnres.Options(kernel="single_cta")

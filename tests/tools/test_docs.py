@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import ROOT
+
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").rglob("*.md")])
 MAX_PAGE_BYTES = 40_000
 

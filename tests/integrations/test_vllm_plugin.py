@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tomllib
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +23,8 @@ import attnres
 from attnres import reference
 from attnres.integrations import _common
 from attnres.integrations import vllm as plugin
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 BF16 = torch.bfloat16
 
 

@@ -1,7 +1,7 @@
 """Every environment knob (attnres.knobs.KNOBS) against the grammar of docs/knobs.md: valid values, whitespace,
 garbage -> KnobError naming the knob, the allowed values and the raw value; integers outside the range clamped
 with exactly one logged notice; booleans exactly 0/1; words exactly as listed; read once, at the first use
-(tests/test_knobs_not_read_by_ops.py: who reads them)."""
+(tests/ops/test_knobs_not_read_by_ops.py: who reads them)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,13 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import attnres.knobs as knobs
 from attnres.knobs import BoolKnob, IntKnob, KnobError, WordKnob
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 INT_KNOBS = [k for k in knobs.KNOBS if isinstance(k, IntKnob)]
 BOOL_KNOBS = [k for k in knobs.KNOBS if isinstance(k, BoolKnob)]
 WORD_KNOBS = [k for k in knobs.KNOBS if isinstance(k, WordKnob)]

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 
 from bench import guard
 from bench.cli import main as bench_main
+from helpers import ROOT
 
-BASELINE = str(Path(__file__).resolve().parent.parent / "bench_results" / "h200_4aed4f9.json")
+BASELINE = str(ROOT / "bench_results" / "h200_4aed4f9.json")
 
 
 # ------------------------------------------------------------------------------------------ guard

@@ -8,12 +8,12 @@ included), T = 1, 3, 64, 300, snapshot-major and token-major banks, no addend / 
 tap, on every kernel the plan accepts when forced: split_k (the reference), single_cta, split_k with a cluster
 of one (a one-block launch), and persistent (through Options(kernel="persistent") and the persistent op).
 The persistent kernel declines the tap and the second addend: with two addends it is compared on the
-materialized one-addend call (the fold is bitwise invisible on every kernel, tests/test_bitwise.py).
+materialized one-addend call (the fold is bitwise invisible on every kernel, tests/ops/test_bitwise.py).
 
 Every result is cloned and the kernel's own output tensors are poisoned (NaN) before they are freed, so a
 kernel that leaves an output unwritten cannot pass by inheriting the previous kernel's bits from the caching
 allocator. The CPU backend is not part of the guarantee (its rsqrt and exp are the exact functions, not the
-GPU's MUFU approximations); tests/test_ops_oracle.py holds both to the float64 oracle.
+GPU's MUFU approximations); tests/ops/test_ops_oracle.py holds both to the float64 oracle.
 """
 
 from __future__ import annotations

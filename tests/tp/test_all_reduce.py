@@ -119,7 +119,7 @@ def test_rejections_write_nothing(device):
     c = world.comms[0]
     gathered = torch.stack(good).cpu() if device == "cpu" else None
     # The raw op takes the communicator's registry handle, never its world, rank or addresses
-    # (tests/test_all_reduce_registry.py: made-up and closed handles, foreign state tensors).
+    # (tests/tp/test_all_reduce_registry.py: made-up and closed handles, foreign state tensors).
     with pytest.raises(ValueError, match="names no open communicator"):
         torch.ops.attnres.all_reduce(good[0], gathered, c.state, 10**9)
     if device == "cpu":

@@ -8,14 +8,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 import attnres.knobs as knobs
 from attnres.knobs import KnobError
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 # Every knob set to a value its grammar rejects.
 BAD_ENV = {k.name: "garbage" for k in knobs.KNOBS}

@@ -1,12 +1,10 @@
-"""Regression test for a MoE runner's silent 0.00-GSM8K bug (docs/ops/moe_finalize.md): with routing pre-computed by the
-caller, the runner reads the caller's weights buffer and never writes its own local one, yet its deferred
-path (do_finalize=False) returned the local buffer. The consumer then applied uninitialized memory as routing
-weights: no crash, garbage output.
+"""The weights a MoE producer hands to its consumer are the buffer its routing used (docs/ops/moe_finalize.md): the
+deferred path (producer pieces -> attnres.moe_finalize) equals the producer's own finalized output bit for bit,
+since both sum fp32 products in j order and round once — with routing computed inside the producer and with
+routing pre-computed by the caller, whose weights buffer the producer reads without writing a local one.
 
-The contract checked here: the weights a producer hands to the consumer are the buffer the routing used, so
-the deferred path (producer pieces -> attnres.moe_finalize) equals the producer's own finalized output — bit
-for bit, since both sum fp32 products in j order and round once. The bug is then simulated (the producer
-hands over a never-written, a zeroed or a random local buffer) and the same comparison must fail.
+The checks have teeth: a producer that hands over its local buffer instead (never written, zeroed or random: no
+crash, garbage routing weights) must make the same comparison fail.
 """
 
 from __future__ import annotations

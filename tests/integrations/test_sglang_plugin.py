@@ -17,6 +17,7 @@ import torch
 
 import attnres.integrations.sglang as plugin
 from attnres.integrations.sglang_table import DEFAULT_PATH, Table, TableError, table_dict
+from helpers import ROOT
 
 B = torch.bfloat16
 
@@ -451,9 +452,8 @@ def test_bench_decision_rule():
     """tools/engines/bench_sglang.py marks attnres faster only when correct and below SGLang's cheaper timing
     (its path without the output norm) beyond the noise."""
     import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "tools" / "engines" / "bench_sglang.py"
+    
+    path = ROOT / "tools" / "engines" / "bench_sglang.py"
     spec = importlib.util.spec_from_file_location("bench_sglang", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

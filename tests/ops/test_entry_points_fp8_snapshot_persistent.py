@@ -1,6 +1,6 @@
 """The FP8, snapshot-writing and persistent-topology calls of the family ops and the all-reduce ops keep the
 base ops' entry-point guarantees
-(tests/test_entry_points.py): the first call in a fresh interpreter does not import torch._dynamo, a meta
+(tests/ops/test_entry_points.py): the first call in a fresh interpreter does not import torch._dynamo, a meta
 tensor among CPU tensors raises ArgumentError instead of reaching the fake implementation, a fake call with
 a wrong rank raises the real op's ArgumentError, and torch.library.opcheck passes. CPU calls of the
 all-reduce ops use a one-rank world (gathered = the rank's own partial)."""
@@ -235,7 +235,7 @@ FIRST_CALL_LIMIT_S = 0.3
     "torch.ops.attnres.all_reduce(lr, lr[None], c.state, c.handle)",
 ], ids=["fp8", "all_reduce"])
 def test_first_call_after_import_does_not_import_dynamo(call):
-    """As tests/test_entry_points.py's first-call test: a fresh interpreter, the best of three processes."""
+    """As tests/ops/test_entry_points.py's first-call test: a fresh interpreter, the best of three processes."""
     code = textwrap.dedent(f"""
         import sys, time
         import torch, attnres

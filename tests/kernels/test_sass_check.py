@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 import attnres
+from helpers import ROOT
 
-_TOOL = Path(__file__).resolve().parents[1] / "tools" / "sass_check.py"
+_TOOL = ROOT / "tools" / "sass_check.py"
 _spec = importlib.util.spec_from_file_location("sass_check", _TOOL)
 sass_check = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(sass_check)
@@ -97,7 +98,7 @@ def test_only_per_token_kernels_are_read():
     assert sass_check.check(funcs[next(iter(funcs))])[0]
 
 
-_REPO = Path(__file__).resolve().parents[1]
+_REPO = ROOT
 
 
 def _cuda_tool(name: str) -> str | None:
