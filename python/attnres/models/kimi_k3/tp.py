@@ -22,7 +22,7 @@ What is reduced, per layer:
   row-parallel: a [T, H] partial, all-reduced. `moe(y, return_parts=True)` returns the two reduced parts,
   so the MoE-tail fold consumes them exactly as at TP = 1.
 
-Bitwise facts (the checks in attnres.tp assert them):
+Bitwise facts (the repository's TP checks, python -m tp_check, assert them):
 
 * after an all-reduce every rank holds the same bits (NCCL and gloo hand every rank the same result);
 * with two ranks each element of an all-reduce is one addition p0 + p1, commutative and rounded once to bf16
