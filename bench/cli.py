@@ -39,7 +39,7 @@ SUITES = {
     "allreduce": "the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower bound: local "
                  "memory instead of NVLink) against the plain op and the unfused all_reduce + op, T = 1..32",
     "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
-    "all": "floors, decode, tune, finalize and chain (decode, finalize and chain as python -m attnres.bench runs them)",
+    "all": "floors, decode, tune, finalize and chain",
     "plot": "draw the PNGs of existing results files (--out, comma-separated) into --plots (no GPU needed)",
 }
 CPU_SUITES = ("tp", "allreduce")  # the suites --device cpu applies to

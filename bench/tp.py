@@ -492,7 +492,7 @@ def summary(records: list[dict]) -> list[str]:
 
 
 def main(args) -> int:
-    """`python -m bench tp` (args from bench/__main__): under torchrun, this process is one rank;
+    """`python -m bench tp` (args from bench/cli.py): under torchrun, this process is one rank;
     otherwise --nproc ranks are spawned. Exit 1 if a chain check failed."""
     if args.no_latencies and args.latencies_only:
         raise SystemExit("bench tp: --no-latencies and --latencies-only exclude each other")

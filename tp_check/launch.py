@@ -129,7 +129,8 @@ def init(device: str = "auto", *, one_gpu: bool = False, timeout_s: float = DEFA
     forbid_multicast()
     missing = [k for k in TORCHRUN_VARS if k not in os.environ]
     if missing:
-        raise RuntimeError(f"tp_check.launch.init: {', '.join(missing)} not set (run under torchrun or through tp_check.launch.launch)")
+        raise RuntimeError(f"tp_check.launch.init: {', '.join(missing)} not set (run under torchrun or through "
+                           "tp_check.launch.launch)")
     rank, world, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = resolve_one_gpu_device(device) if one_gpu else resolve_device(device, local_world)

@@ -178,7 +178,8 @@ def _parser_of(module: str) -> argparse.ArgumentParser:
 
 
 def parse(module: str, argv: list[str]) -> None:
-    """Parses argv as `python -m module` would (the top-level command forwards bench to its own parser); raises AssertionError with argparse's message when it does not parse."""
+    """Parses argv as `python -m module` would (the top-level command forwards bench to its own parser); raises
+    AssertionError with argparse's message when it does not parse."""
     if module == "attnres" and argv and not argv[0].startswith("-"):
         top = importlib.import_module("attnres.__main__")
         if argv[0] in top.FORWARDED:

@@ -51,9 +51,10 @@ def print_progress(i: int, n: int, what: str) -> None:
 
 def new_parser(prog: str, description: str, suites: dict[str, str]) -> argparse.ArgumentParser:
     """A parser whose positional SUITE is one of `suites` (listed in the epilog)."""
-    p = argparse.ArgumentParser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="suites:\n" + "\n".join(f"  {name:<11} {line}" for name, line in suites.items())
-                                       + "\n\nMethod and current figures: docs/performance.md.")
+    listing = "\n".join(f"  {name:<11} {line}" for name, line in suites.items())
+    p = argparse.ArgumentParser(prog=prog, description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=f"suites:\n{listing}\n\nMethod and current figures: docs/performance.md.")
     p.add_argument("suite", choices=list(suites), metavar="SUITE", help="which suite to run (listed below)")
     return p
 
