@@ -442,9 +442,9 @@ def test_cpu_and_cuda_mixed(op):
         moved = w.new(_case_value(inp, name).cpu())
         if name == "layer_residual":
             other = OP_INPUTS[op][1]
-            message = f"{op}: {other} is on cuda:0 but layer_residual is on cpu (all tensors must be on one device)"
+            message = f"{_pub(op)}: {other} is on cuda:0 but layer_residual is on cpu (all tensors must be on one device)"
         else:
-            message = f"{op}: {name} is on cpu but layer_residual is on cuda:0 (all tensors must be on one device)"
+            message = f"{_pub(op)}: {name} is on cpu but layer_residual is on cuda:0 (all tensors must be on one device)"
         with w, _rejects(attnres.ArgumentError, message):
             _public(op, inp, **{name: moved})
             torch.cuda.synchronize()
@@ -756,7 +756,7 @@ def test_cuda_misaligned_pointer(op, name):
     inp = _inputs("cuda")
     w = Written(inp)
     bad = w.new(_misaligned(_case_value(inp, name)))
-    with w, _rejects(attnres.ArgumentError, f"{op}: {name} {ALIGN_MESSAGE}"):
+    with w, _rejects(attnres.ArgumentError, f"{_pub(op)}: {name} {ALIGN_MESSAGE}"):
         _public(op, inp, **{name: bad})
         torch.cuda.synchronize()
 
@@ -769,7 +769,7 @@ def test_cuda_token_stride_not_a_multiple_of_8(op, name):
     w = Written(inp)
     bad = w.new(_odd_token_stride(_case_value(inp, name)))
     strides = ", ".join(str(s) for s in bad.stride())
-    with w, _rejects(attnres.ArgumentError, f"{op}: {name} {ALIGN_MESSAGE}, got strides [{strides}]"):
+    with w, _rejects(attnres.ArgumentError, f"{_pub(op)}: {name} {ALIGN_MESSAGE}, got strides [{strides}]"):
         _public(op, inp, **{name: bad})
         torch.cuda.synchronize()
 
