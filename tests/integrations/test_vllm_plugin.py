@@ -301,16 +301,24 @@ def test_table_decisions():
     assert t.decide("mix", 1, 3, 64, "cpu") is not None
 
 
-def test_shipped_table_is_empty_and_everything_falls_back(fake_vllm):
-    """Until bench_vllm.py has measured the GPU, the shipped table names no point."""
+def test_shipped_table_names_its_gpu_and_falls_back_elsewhere(fake_vllm):
+    """The shipped table (bench_vllm.py table) follows the schema, was measured on one named GPU at Kimi K3's width,
+    lists only known sites, token counts it measured and N in 1..9; a call on any other device (here the CPU)
+    runs vLLM's own function."""
     data = json.loads(plugin.TABLE_PATH.read_text())
-    assert data["schema"] == 1 and data["faster"] == {} and data["device"] is None
+    assert data["schema"] == 1 and data["hidden"] == 7168 and data["vllm"] == "0.33.0"
+    assert isinstance(data["device"], str) and data["device"]
+    sites = {plugin.site(d, n, w) for d in (False, True) for n in (False, True) for w in (False, True)}
+    assert set(data["faster"]) <= sites
+    for per in data["faster"].values():
+        assert {int(t) for t in per} <= set(data["tokens"])
+        assert all(set(ns) <= set(range(1, 10)) for ns in per.values())
     plugin.register()
     plugin.SETTINGS.table = None  # load the shipped file
     x = _inputs()
     out, _, _ = _call(fake_vllm.ops.attn_res, x)
     assert torch.equal(out, _call(reference_attn_res, x)[0])
-    assert plugin.FALLBACKS.reasons == {"table: nothing measured": 1} and plugin.FALLBACKS.served == 0
+    assert plugin.FALLBACKS.reasons == {"table: measured on another GPU": 1} and plugin.FALLBACKS.served == 0
 
 
 def test_unreadable_table_falls_back(tmp_path, fake_vllm):
