@@ -1,5 +1,5 @@
-"""Two gloo processes on the CPU (CI): ranks that disagree on a call, a rank that never calls, a rank that dies
-mid-call (issue 34, defects 1 and 2). Every launch is bounded (launch(timeout_s=...)), every rank's default group
+"""Gloo processes on the CPU (CI), two and three ranks: ranks that disagree on a call, a rank that never calls, a
+rank that dies mid-call. Every launch is bounded (launch(timeout_s=...)), every rank's default group
 has a 60 s timeout, and each communicator's own waits are bounded by its timeout_s: nothing here can hang."""
 
 from __future__ import annotations
@@ -158,3 +158,39 @@ def test_a_rank_that_dies_mid_call_makes_the_others_raise_within_the_bound():
     kind, message = r0["died"]
     assert kind == "BrokenExchange" and "a rank did not call, or died" in message, r0["died"]
     assert r0["died s"] < 20.0 and r0["is CommunicatorError"]
+
+
+def _three_ranks(timeout_s: float):
+    """W = 3: a good call, the last rank called with fewer tokens, then the middle rank dies inside a call."""
+    import torch.distributed as dist
+
+    from tp_check.launch import init
+
+    ctx = init("cpu", timeout_s=60)
+    comm = Communicator.create(4, 16, timeout_s=timeout_s)
+    out = {"good": _outcome(lambda: attnres.all_reduce(comm, torch.full((2, 16), float(ctx.rank + 1), dtype=BF16)))}
+    T = 2 if ctx.rank == 2 else 3
+    out["fewer tokens"] = _outcome(lambda: attnres.all_reduce(comm, torch.ones(T, 16, dtype=BF16)))
+    out["after mismatch"] = _outcome(lambda: attnres.all_reduce(comm, torch.ones(1, 16, dtype=BF16)))
+    if ctx.rank == 1:
+        dist.all_gather = lambda *a, **k: os._exit(0)
+    t0 = time.monotonic()
+    out["died"] = _outcome(lambda: attnres.all_reduce(comm, torch.ones(1, 16, dtype=BF16)))
+    out["died s"] = time.monotonic() - t0
+    comm.close()
+    dist.destroy_process_group()  # no barrier: rank 1 is gone
+    return out
+
+
+def test_three_ranks_agree_on_a_mismatch_and_survivors_raise_when_one_dies():
+    r0, r1, r2 = launch(_three_ranks, 3, 20.0, timeout_s=LAUNCH_S, exited_ok=True)
+    assert r1 is None  # rank 1 exited inside the last call
+    assert r0["good"] == r2["good"] == ("returned", [[6.0] * 16] * 2)
+    kind, message = r0["fewer tokens"]
+    assert kind == "ArgumentError" and "rank 2 was called with T = 2" in message, r0["fewer tokens"]
+    assert r2["fewer tokens"] == r0["fewer tokens"]
+    assert r0["after mismatch"] == r2["after mismatch"] == ("returned", [[3.0] * 16])
+    for r in (r0, r2):
+        kind, message = r["died"]
+        assert kind == "BrokenExchange" and "a rank did not call, or died" in message, r["died"]
+        assert r["died s"] < 20.0
