@@ -6,12 +6,12 @@ layer_residual_add2)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 
 from . import _C
-from ._ints import index_in
 from .options import DEFAULT, Options
 
 OPS = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
@@ -71,8 +71,15 @@ _INT64 = (-(1 << 63), (1 << 63) - 1)
 def _int(name: str, value, low: int = _INT64[0], high: int = _INT64[1]) -> int:
     """`value` as an int in [low, high] (an int or an integer type with __index__; a bool is not a count), else
     ArgumentError naming the argument."""
-    return index_in(value, low, high, f"attnres.plan: {name} must be an int, got ",
-                    f"attnres.plan: {name} must be in [{low}, {high}], got ")
+    if isinstance(value, bool):  # numpy's bools have no __index__: refused below
+        raise _C.ArgumentError(f"attnres.plan: {name} must be an int, got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise _C.ArgumentError(f"attnres.plan: {name} must be an int, got {value!r}") from None
+    if not low <= v <= high:
+        raise _C.ArgumentError(f"attnres.plan: {name} must be in [{low}, {high}], got {v}")
+    return v
 
 
 def _described(props) -> _C.DeviceInfo:

@@ -8,11 +8,11 @@ taken for a count) would make every call of a communicator that looked healthy f
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 from .. import _C
-from .._ints import index_in
 
 MAX_WORLD = _C.limits["all_reduce_max_world"]
 MAX_WIDTH = _C.limits["all_reduce_max_width"]
@@ -26,8 +26,15 @@ MAX_CAPACITY = (1 << 32) - 1
 
 def count(owner: str, name: str, value, low: int, high: int) -> int:
     """`value` as an int in [low, high]; a bool is not a count (True would be 1)."""
-    message = f"{owner}: {name} must be an int in [{low}, {high}], got "
-    return index_in(value, low, high, message, message)
+    if isinstance(value, bool):
+        raise _C.ArgumentError(f"{owner}: {name} must be an int in [{low}, {high}], got {value!r}")
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise _C.ArgumentError(f"{owner}: {name} must be an int in [{low}, {high}], got {value!r}") from None
+    if not low <= v <= high:
+        raise _C.ArgumentError(f"{owner}: {name} must be an int in [{low}, {high}], got {v}")
+    return v
 
 
 def timeout_ns(owner: str, timeout_s) -> int:
