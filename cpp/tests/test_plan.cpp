@@ -5,27 +5,13 @@
 #include <string>
 #include <vector>
 
-#include "plan_tuning.hpp"
-#include "test_util.hpp"
+#include "plan_test_util.hpp"
 
 namespace attnres_test {
 namespace {
 
-namespace tuning = attnres::tuning;
-using attnres::DeviceInfo;
-using attnres::KernelKind;
-using attnres::Options;
-using attnres::Plan;
-using attnres::PlanQuery;
-using attnres::Topology;
-
-DeviceInfo cpu_device() {
-  DeviceInfo d;
-  d.device = Device{DeviceType::cpu, 0};
-  d.cuda_backend = true;  // the CPU backend is chosen for CPU tensors whatever the build
-  d.name = "cpu";
-  return d;
-}
+// The CPU backend is chosen for CPU tensors whatever the build.
+DeviceInfo cpu_device() { return described_cpu(/*cuda_backend=*/true); }
 
 DeviceInfo h200() { return described_h200(); }
 
@@ -45,14 +31,8 @@ DeviceInfo h200_without_backend() {
 }
 
 PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H) {
-  PlanQuery q;
-  q.op = op;
-  q.tokens = T;
-  q.candidates = N;
-  q.hidden = H;
-  q.add = op == AttnResOp::attn_res_add_rmsnorm;
-  q.diagnostics = op == AttnResOp::attn_res;
-  return q;
+  return plan_query_of(op, T, N, H, /*add=*/op == AttnResOp::attn_res_add_rmsnorm,
+                       /*diagnostics=*/op == AttnResOp::attn_res);
 }
 
 const AttnResOp kPerTokenOps[] = {AttnResOp::attn_res, AttnResOp::attn_res_rmsnorm, AttnResOp::attn_res_add_rmsnorm};

@@ -7,35 +7,18 @@
 #include <vector>
 
 #include "persistent_layout.hpp"
-#include "plan_tuning.hpp"
-#include "test_util.hpp"
+#include "plan_test_util.hpp"
 
 namespace attnres_test {
 namespace {
 
-namespace tuning = attnres::tuning;
 namespace layout = attnres::persistent;
-using attnres::DeviceInfo;
-using attnres::Fp8Scales;
-using attnres::KernelKind;
-using attnres::Options;
-using attnres::Plan;
-using attnres::PlanQuery;
-using attnres::Topology;
 
 constexpr int32_t kH200Smem = kH200SmemOptin;
 
 DeviceInfo h200(int32_t smem = kH200Smem, int32_t sms = 132) { return described_h200(smem, sms); }
 
-PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H, bool add) {
-  PlanQuery q;
-  q.op = op;
-  q.tokens = T;
-  q.candidates = N;
-  q.hidden = H;
-  q.add = add;
-  return q;
-}
+PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H, bool add) { return plan_query_of(op, T, N, H, add); }
 
 Options persistent_topology(bool pdl = true) {
   Options o;

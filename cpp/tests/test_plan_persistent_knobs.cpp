@@ -7,41 +7,22 @@
 #include <string>
 
 #include "persistent_layout.hpp"
-#include "plan_tuning.hpp"
-#include "test_util.hpp"
+#include "plan_test_util.hpp"
 
 namespace attnres_test {
 namespace {
 
-namespace tuning = attnres::tuning;
 namespace layout = attnres::persistent;
-using attnres::DeviceInfo;
-using attnres::Fp8Scales;
-using attnres::KernelKind;
-using attnres::Options;
-using attnres::Plan;
-using attnres::PlanQuery;
 
 constexpr int32_t kH200Smem = kH200SmemOptin;
 constexpr int32_t kH200SmPerSm = 233472;  // sharedMemPerMultiprocessor of sm_90 (228 KB)
 
 DeviceInfo h200() { return described_h200(); }
 
-DeviceInfo cpu() {
-  DeviceInfo d;
-  d.device = Device{DeviceType::cpu, 0};
-  d.name = "cpu";
-  return d;
-}
+DeviceInfo cpu() { return described_cpu(/*cuda_backend=*/false); }
 
 PlanQuery query(int64_t T, int64_t N, int64_t H, bool add, AttnResOp op = AttnResOp::attn_res_add_rmsnorm_persistent) {
-  PlanQuery q;
-  q.op = op;
-  q.tokens = T;
-  q.candidates = N;
-  q.hidden = H;
-  q.add = add;
-  return q;
+  return plan_query_of(op, T, N, H, add);
 }
 
 Options knobs(int32_t blocks_per_sm, int32_t slots, int32_t passes) {

@@ -8,8 +8,7 @@
 #include <vector>
 
 #include "plan_arithmetic.hpp"
-#include "plan_tuning.hpp"
-#include "test_util.hpp"
+#include "plan_test_util.hpp"
 
 namespace attnres {
 inline void PrintTo(Route r, std::ostream* os) { *os << route_name(r); }
@@ -19,36 +18,15 @@ inline void PrintTo(DeclineCode c, std::ostream* os) { *os << decline_code_name(
 namespace attnres_test {
 namespace {
 
-namespace tuning = attnres::tuning;
 using attnres::DeclineCode;
-using attnres::DeviceInfo;
-using attnres::Fp8Scales;
-using attnres::KernelKind;
-using attnres::Options;
-using attnres::Plan;
-using attnres::PlanQuery;
 using attnres::Route;
-using attnres::Topology;
 
-DeviceInfo cpu_device() {
-  DeviceInfo d;
-  d.device = Device{DeviceType::cpu, 0};
-  d.cuda_backend = true;
-  d.name = "cpu";
-  return d;
-}
+DeviceInfo cpu_device() { return described_cpu(/*cuda_backend=*/true); }
 
 DeviceInfo h200() { return described_h200(); }
 
 PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H, bool add = false) {
-  PlanQuery q;
-  q.op = op;
-  q.tokens = T;
-  q.candidates = N;
-  q.hidden = H;
-  q.add = add;
-  q.diagnostics = op == AttnResOp::attn_res;
-  return q;
+  return plan_query_of(op, T, N, H, add, /*diagnostics=*/op == AttnResOp::attn_res);
 }
 
 Options kernel(KernelKind k) {

@@ -34,21 +34,6 @@ using attnres::DeviceType;
 using attnres::DType;
 using attnres::TensorRef;
 
-// A described H200 (sm_90, 132 SMs, 227 KB of opt-in shared memory per block, the CUDA backend built): the
-// device the plan tests hand the pure plan functions.
-constexpr int32_t kH200SmemOptin = 232448;  // cudaDeviceProp::sharedMemPerBlockOptin of sm_90
-inline attnres::DeviceInfo described_h200(int32_t smem = kH200SmemOptin, int32_t sms = 132) {
-  attnres::DeviceInfo d;
-  d.device = Device{DeviceType::cuda, 0};
-  d.cuda_backend = true;
-  d.cc_major = 9;
-  d.cc_minor = 0;
-  d.sm_count = sms;
-  d.shared_memory_per_block_optin = smem;
-  d.name = "NVIDIA H200";
-  return d;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // bf16 on the host: round to nearest even, subnormals kept, NaN stays NaN.
 
