@@ -12,8 +12,6 @@ namespace attnres_test {
 namespace tuning = attnres::tuning;
 using attnres::DeviceInfo;
 using attnres::Fp8Scales;
-using attnres::KernelKind;
-using attnres::Options;
 using attnres::Plan;
 using attnres::PlanQuery;
 using attnres::Topology;

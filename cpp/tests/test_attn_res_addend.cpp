@@ -16,18 +16,11 @@
 #include "test_util.hpp"
 
 #if ATTNRES_WITH_CUDA
-#include <cuda_runtime.h>
+#include "cuda_test_util.hpp"
 #endif
 
 namespace attnres_test {
 namespace {
-
-using attnres::KernelKind;
-using attnres::Options;
-
-constexpr AttnResOp R = AttnResOp::attn_res;
-constexpr AttnResOp A = AttnResOp::attn_res_add_rmsnorm;
-constexpr AttnResOp P = AttnResOp::attn_res_add_rmsnorm_persistent;
 
 // One call on a Case's buffers: which optional arguments it passes, and whether `updated` is layer_residual.
 struct Call {
@@ -253,63 +246,15 @@ TEST(AddendRejections, OnlyTheSameViewIsInPlace) {
 // ---------------------------------------------------------------------------------------------------------
 // CUDA kernels
 
-const Device kCuda0{DeviceType::cuda, 0};
-
-std::string gpu_skip_reason() {
-  if (attnres::cuda_device_count() == 0) return "no CUDA device visible";
-  const attnres::DeviceInfo info = attnres::query_device(kCuda0);
-  if (info.cc_major < 9) return info.name + " has compute capability < 9.0";
-  return "";
-}
-
-#define REQUIRE_HOPPER()                           \
-  do {                                             \
-    const std::string why_not = gpu_skip_reason(); \
-    if (!why_not.empty()) GTEST_SKIP() << why_not; \
-  } while (0)
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// Device copies of every buffer of a Case, freed on scope exit (also when a call throws).
-struct DeviceBuffers {
-  std::vector<void*> ptrs;
-  cudaStream_t stream = nullptr;
-  ~DeviceBuffers() {
-    for (void* p : ptrs) cudaFree(p);
-    if (stream) cudaStreamDestroy(stream);
-  }
-};
-
 // Runs one call on device copies of every buffer of `c` and returns what the device buffers hold afterwards.
 Case run_gpu(const Case& c, const Call& k, const Options& o) {
-  DeviceBuffers d;
-  const auto all = c.buffers();
-  for (const Buffer* b : all) {
-    void* p = nullptr;
-    cuda_ok(cudaMalloc(&p, b->nbytes() ? b->nbytes() : 16), "cudaMalloc");
-    d.ptrs.push_back(p);
-    if (b->nbytes()) cuda_ok(cudaMemcpy(p, b->host(), b->nbytes(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-  }
-  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  cuda_ok(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking), "cudaStreamCreate");
-  const auto base = [&](const Buffer& b) -> void* {
-    for (size_t i = 0; i < all.size(); ++i)
-      if (all[i] == &b) return d.ptrs[i];
-    throw std::logic_error("buffer of another case");
-  };
-  AttnResArgs a = call_args(c, k, base, kCuda0);
-  a.stream = d.stream;
+  Stream stream;
+  DeviceMirror mirror(c);
+  AttnResArgs a = call_args(c, k, [&](const Buffer& b) { return mirror.base(b); }, kCuda0);
+  a.stream = stream.get();
   attnres::run(k.op, a, o);
-  cuda_ok(cudaStreamSynchronize(d.stream), "cudaStreamSynchronize");
-  cuda_ok(cudaGetLastError(), "kernel");
-  Case out = c;
-  const auto dst = out.buffers();
-  for (size_t i = 0; i < dst.size(); ++i)
-    if (dst[i]->nbytes())
-      cuda_ok(cudaMemcpy(dst[i]->host(), d.ptrs[i], dst[i]->nbytes(), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-  return out;
+  stream.sync();
+  return mirror.download();
 }
 
 attnres::Plan plan_on_gpu(const Case& c, const Call& k, const Options& o) {

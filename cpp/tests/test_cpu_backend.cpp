@@ -15,10 +15,6 @@
 namespace attnres_test {
 namespace {
 
-constexpr AttnResOp R = AttnResOp::attn_res;
-constexpr AttnResOp N = AttnResOp::attn_res_rmsnorm;
-constexpr AttnResOp A = AttnResOp::attn_res_add_rmsnorm;
-constexpr AttnResOp P = AttnResOp::attn_res_add_rmsnorm_persistent;
 
 Case run_cpu(const Case& c, const attnres::Options& options = {}) {
   Case out = c;
@@ -47,39 +43,27 @@ struct Shape {
 };
 void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }
 
-Config make(AttnResOp op, int64_t T, int64_t K, int64_t H, std::function<void(Config&)> more = nullptr) {
-  Config c;
-  c.op = op;
-  c.T = T;
-  c.K = K;
-  c.H = H;
-  c.add = op == A || op == P;
-  c.diagnostics = op == R;
-  if (more) more(c);
-  return c;
-}
-
 std::vector<Shape> shapes() {
   using BL = BankLayout;
   return {
-      {"AttnResTiny", make(R, 1, 0, 8)},
-      {"AttnResWeightRow", make(R, 3, 4, 64, [](Config& c) { c.res_weight_2d = true; })},
-      {"AttnResTokenMajorPadded", make(R, 5, 6, 200, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 9; c.pad = 8; })},
-      {"RmsnormKimiLinear", make(N, 2, 2, 2304, [](Config& c) { c.tap = true; })},
-      {"RmsnormTokenMajorPadded", make(N, 4, 7, 136, [](Config& c) { c.tap = true; c.bank_layout = BL::token_major; c.bank_rows = 9; c.pad = 8; })},
-      {"AddKimiK3", make(A, 3, 3, 7168)},
-      {"Add2TapSnapshot", make(A, 5, 11, 512, [](Config& c) {
+      {"AttnResTiny", make_config(R, 1, 0, 8)},
+      {"AttnResWeightRow", make_config(R, 3, 4, 64, [](Config& c) { c.res_weight_2d = true; })},
+      {"AttnResTokenMajorPadded", make_config(R, 5, 6, 200, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 9; c.pad = 8; })},
+      {"RmsnormKimiLinear", make_config(N, 2, 2, 2304, [](Config& c) { c.tap = true; })},
+      {"RmsnormTokenMajorPadded", make_config(N, 4, 7, 136, [](Config& c) { c.tap = true; c.bank_layout = BL::token_major; c.bank_rows = 9; c.pad = 8; })},
+      {"AddKimiK3", make_config(A, 3, 3, 7168)},
+      {"Add2TapSnapshot", make_config(A, 5, 11, 512, [](Config& c) {
          c.add2 = c.tap = true; c.snapshot_slot = 12; c.bank_rows = 14; c.rms_eps = 1e-3; c.norm_eps = 1e-6; })},
-      {"Add2MaxShape", make(A, 2, 15, 16384, [](Config& c) { c.add2 = true; })},
-      {"Add2H8192", make(A, 1, 12, 8192, [](Config& c) { c.add2 = c.tap = true; })},
-      {"Add2TokenMajorSnapshot", make(A, 3, 5, 1024, [](Config& c) {
+      {"Add2MaxShape", make_config(A, 2, 15, 16384, [](Config& c) { c.add2 = true; })},
+      {"Add2H8192", make_config(A, 1, 12, 8192, [](Config& c) { c.add2 = c.tap = true; })},
+      {"Add2TokenMajorSnapshot", make_config(A, 3, 5, 1024, [](Config& c) {
          c.add2 = c.tap = true; c.bank_layout = BL::token_major; c.bank_rows = 12; c.snapshot_slot = 7; c.pad = 24; })},
-      {"Add2EmptyBankSnapshot", make(A, 7, 0, 96, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 0; })},
-      {"UnalignedOddStrides", make(A, 3, 3, 64, [](Config& c) {
+      {"Add2EmptyBankSnapshot", make_config(A, 7, 0, 96, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 0; })},
+      {"UnalignedOddStrides", make_config(A, 3, 3, 64, [](Config& c) {
          c.add2 = c.tap = true; c.pad = 3; c.offset = 1; c.snapshot_slot = 3; })},
-      {"SmallRows", make(A, 4, 8, 4096, [](Config& c) { c.add2 = true; c.magnitude = 1e-3; c.rms_eps = 1e-6; c.norm_eps = 1e-7; })},
-      {"PersistentAdd", make(P, 40, 4, 256)},
-      {"PersistentNoAdd", make(P, 9, 2, 64, [](Config& c) { c.add = false; })},
+      {"SmallRows", make_config(A, 4, 8, 4096, [](Config& c) { c.add2 = true; c.magnitude = 1e-3; c.rms_eps = 1e-6; c.norm_eps = 1e-7; })},
+      {"PersistentAdd", make_config(P, 40, 4, 256)},
+      {"PersistentNoAdd", make_config(P, 9, 2, 64, [](Config& c) { c.add = false; })},
   };
 }
 
@@ -98,17 +82,17 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuMatchesReference, ::testing::ValuesIn(shapes
 // With one candidate the softmax weight is exactly 1: the mixture is the prefix itself, bit for bit.
 TEST(CpuExactness, OneCandidateMixtureIsThePrefix) {
   for (int64_t H : {8, 64, 7168}) {
-    Config cfg = make(R, 3, 0, H);
+    Config cfg = make_config(R, 3, 0, H);
     cfg.seed = test_seed(uint64_t(H));
     const Case r = run_cpu(Case(cfg));
     EXPECT_TRUE(bits_equal(r.output.bits(), r.layer_residual.bits(), "attn_res mixture"));
     for (double p : r.probs.values()) EXPECT_EQ(p, 1.0);
 
-    cfg = make(N, 3, 0, H, [](Config& c) { c.tap = true; });
+    cfg = make_config(N, 3, 0, H, [](Config& c) { c.tap = true; });
     const Case n = run_cpu(Case(cfg));
     EXPECT_TRUE(bits_equal(n.mixture.bits(), n.layer_residual.bits(), "attn_res_rmsnorm tap"));
 
-    cfg = make(A, 3, 0, H, [](Config& c) { c.add2 = c.tap = true; });
+    cfg = make_config(A, 3, 0, H, [](Config& c) { c.add2 = c.tap = true; });
     const Case a = run_cpu(Case(cfg));
     EXPECT_TRUE(bits_equal(a.mixture.bits(), a.updated.bits(), "attn_res_add_rmsnorm tap"));
     EXPECT_TRUE(bits_equal(a.updated.bits(), reference(a).updated, "updated"));
@@ -120,7 +104,7 @@ TEST(CpuExactness, OneCandidateMixtureIsThePrefix) {
 // layer's fold invisible).
 TEST(CpuBitwise, Add2EqualsPresummedAddEqualsMaterializedPrefix) {
   for (int64_t H : {64, 2304, 7168}) {
-    Config cfg = make(A, 4, 5, H, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 6; c.bank_rows = 7; });
+    Config cfg = make_config(A, 4, 5, H, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 6; c.bank_rows = 7; });
     cfg.seed = test_seed(uint64_t(H));
     const Case two = run_cpu(Case(cfg));
 
@@ -237,7 +221,7 @@ TEST(CpuSubnormals, CallerFlushToZeroModeIsOverriddenAndRestored) {
 // Identical inputs give identical bits, call after call.
 TEST(CpuDeterminism, RepeatedCallsAreBitwiseIdentical) {
   for (AttnResOp op : {R, N, A, P}) {
-    Config cfg = make(op, 6, 9, 7168, [](Config& c) { c.add2 = c.tap = true; });
+    Config cfg = make_config(op, 6, 9, 7168, [](Config& c) { c.add2 = c.tap = true; });
     cfg.seed = test_seed(uint64_t(op));
     const Case before(cfg);
     const Case first = run_cpu(before);
@@ -250,7 +234,7 @@ TEST(CpuDeterminism, RepeatedCallsAreBitwiseIdentical) {
 
 // A token's result depends on neither T nor its position in the call.
 TEST(CpuDeterminism, TokenResultIndependentOfBatch) {
-  Config cfg = make(A, 6, 3, 512, [](Config& c) { c.add2 = c.tap = true; });
+  Config cfg = make_config(A, 6, 3, 512, [](Config& c) { c.add2 = c.tap = true; });
   cfg.seed = test_seed();
   const Case batch = run_cpu(Case(cfg));
   for (int64_t t = 0; t < cfg.T; ++t) {
@@ -270,7 +254,7 @@ TEST(CpuDeterminism, TokenResultIndependentOfBatch) {
 // rms_eps feeds the scoring norm and norm_eps the trailing one: with rows small enough that both matter, the
 // result matches the oracle and not the oracle with the two swapped.
 TEST(CpuEps, EachEpsFeedsItsOwnNorm) {
-  Config cfg = make(A, 3, 4, 1024, [](Config& c) {
+  Config cfg = make_config(A, 3, 4, 1024, [](Config& c) {
     c.tap = true;
     c.magnitude = 0.03;
     c.rms_eps = 1e-2;
@@ -285,7 +269,7 @@ TEST(CpuEps, EachEpsFeedsItsOwnNorm) {
   EXPECT_FALSE(bf16_close(after.output.values(), widen(swapped.output), "output with swapped eps"));
   EXPECT_TRUE(bf16_close(after.mixture.values(), widen(right.mixture), "mixture"));
 
-  Config r_cfg = make(R, 3, 4, 1024, [](Config& c) { c.magnitude = 0.03; c.rms_eps = 1e-2; });
+  Config r_cfg = make_config(R, 3, 4, 1024, [](Config& c) { c.magnitude = 0.03; c.rms_eps = 1e-2; });
   r_cfg.seed = test_seed(1);
   const Case r_before(r_cfg);
   const Case r_after = run_cpu(r_before);

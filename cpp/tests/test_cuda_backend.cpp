@@ -13,41 +13,19 @@
 #include "test_util.hpp"
 
 #if ATTNRES_WITH_CUDA
-#include <cuda_runtime.h>
-
 #include "backend.hpp"            // the persistent launcher, run with other geometries than the plan's
+#include "cuda_test_util.hpp"
 #include "persistent_layout.hpp"
 #endif
 
 namespace attnres_test {
 namespace {
 
-using attnres::KernelKind;
-using attnres::Options;
-
-constexpr AttnResOp R = AttnResOp::attn_res;
-constexpr AttnResOp N = AttnResOp::attn_res_rmsnorm;
-constexpr AttnResOp A = AttnResOp::attn_res_add_rmsnorm;
-constexpr AttnResOp P = AttnResOp::attn_res_add_rmsnorm_persistent;
-const Device kCuda0{DeviceType::cuda, 0};
-
-Config make(AttnResOp op, int64_t T, int64_t K, int64_t H, std::function<void(Config&)> more = nullptr) {
-  Config c;
-  c.op = op;
-  c.T = T;
-  c.K = K;
-  c.H = H;
-  c.add = op == A || op == P;
-  c.diagnostics = op == R;
-  if (more) more(c);
-  return c;
-}
-
 // No usable device: a call on CUDA tensors is refused before anything runs (here the "device" pointers are
 // host memory, so a write would show up in the storage compare). Runs on every CPU-only machine.
 TEST(CudaUnavailable, CallOnCudaTensorsIsRefusedCleanly) {
   if (attnres::cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is visible: the GPU suites below cover it";
-  Config cfg = make(A, 2, 2, 64, [](Config& c) { c.add2 = c.tap = true; });
+  Config cfg = make_config(A, 2, 2, 64, [](Config& c) { c.add2 = c.tap = true; });
   cfg.seed = test_seed();
   Case c(cfg);
   const Case before = c;
@@ -64,84 +42,6 @@ TEST(CudaUnavailable, CallOnCudaTensorsIsRefusedCleanly) {
 }
 
 #if ATTNRES_WITH_CUDA
-
-// Why the GPU suites cannot run here ("" when they can).
-std::string gpu_skip_reason() {
-  if (attnres::cuda_device_count() == 0) return "no CUDA device visible";
-  const attnres::DeviceInfo info = attnres::query_device(kCuda0);
-  if (info.cc_major < 9)
-    return info.name + " has compute capability " + std::to_string(info.cc_major) + "." +
-           std::to_string(info.cc_minor) + " < 9.0";
-  return "";
-}
-
-#define REQUIRE_HOPPER()                                      \
-  do {                                                        \
-    const std::string why_not = gpu_skip_reason();            \
-    if (!why_not.empty()) GTEST_SKIP() << why_not;            \
-  } while (0)
-
-void cuda_ok(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// Device copies of every buffer of a Case (poisoned outputs and padding included), with the same views.
-class DeviceMirror {
- public:
-  explicit DeviceMirror(const Case& c) : owner_(&c) {
-    for (const Buffer* b : c.buffers()) {
-      void* p = nullptr;
-      cuda_ok(cudaMalloc(&p, b->nbytes() ? b->nbytes() : 16), "cudaMalloc");
-      ptrs_.push_back(p);
-      if (b->nbytes()) cuda_ok(cudaMemcpy(p, b->host(), b->nbytes(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
-    }
-    // A pageable-memory cudaMemcpy may return before its DMA lands, and the tests launch on non-blocking
-    // streams that do not order after the legacy stream: wait for the uploads here.
-    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  }
-  ~DeviceMirror() {
-    for (void* p : ptrs_) cudaFree(p);
-  }
-  DeviceMirror(const DeviceMirror&) = delete;
-  DeviceMirror& operator=(const DeviceMirror&) = delete;
-
-  void* base(const Buffer& b) const {
-    const auto all = owner_->buffers();
-    for (size_t i = 0; i < all.size(); ++i)
-      if (all[i] == &b) return ptrs_[i];
-    throw std::logic_error("buffer of another case");
-  }
-  AttnResArgs args(cudaStream_t stream) const {
-    AttnResArgs a = owner_->args_on([this](const Buffer& b) { return base(b); }, kCuda0);
-    a.stream = stream;
-    return a;
-  }
-  Case download() const {
-    Case out = *owner_;
-    const auto dst = out.buffers();
-    for (size_t i = 0; i < dst.size(); ++i)
-      if (dst[i]->nbytes()) cuda_ok(cudaMemcpy(dst[i]->host(), ptrs_[i], dst[i]->nbytes(), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
-    return out;
-  }
-
- private:
-  const Case* owner_;
-  std::vector<void*> ptrs_;
-};
-
-class Stream {
- public:
-  Stream() { cuda_ok(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
-  ~Stream() { cudaStreamDestroy(s_); }
-  cudaStream_t get() const { return s_; }
-  void sync() const {
-    cuda_ok(cudaStreamSynchronize(s_), "cudaStreamSynchronize");
-    cuda_ok(cudaGetLastError(), "kernel");
-  }
-
- private:
-  cudaStream_t s_ = nullptr;
-};
 
 Options forced(KernelKind kernel, bool pdl = true) {
   Options o;
@@ -216,20 +116,20 @@ void PrintTo(const GpuShape& s, std::ostream* os) { *os << s.name; }
 std::vector<GpuShape> gpu_shapes() {
   using BL = BankLayout;
   return {
-      {"AttnResOneCandidate", make(R, 1, 0, 7168)},
-      {"AttnResKimiK3", make(R, 4, 3, 7168)},
-      {"AttnResTokenMajor", make(R, 3, 9, 2304, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 12; })},
-      {"RmsnormH4096", make(N, 2, 4, 4096, [](Config& c) { c.tap = true; })},
-      {"RmsnormH8192", make(N, 5, 7, 8192, [](Config& c) { c.tap = true; })},
-      {"AddDecodeT1", make(A, 1, 3, 7168)},
-      {"Add2TapSnapshot", make(A, 8, 5, 7168, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 6; c.bank_rows = 8; })},
-      {"Add2TokenMajorT32", make(A, 32, 11, 7168, [](Config& c) {
+      {"AttnResOneCandidate", make_config(R, 1, 0, 7168)},
+      {"AttnResKimiK3", make_config(R, 4, 3, 7168)},
+      {"AttnResTokenMajor", make_config(R, 3, 9, 2304, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 12; })},
+      {"RmsnormH4096", make_config(N, 2, 4, 4096, [](Config& c) { c.tap = true; })},
+      {"RmsnormH8192", make_config(N, 5, 7, 8192, [](Config& c) { c.tap = true; })},
+      {"AddDecodeT1", make_config(A, 1, 3, 7168)},
+      {"Add2TapSnapshot", make_config(A, 8, 5, 7168, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 6; c.bank_rows = 8; })},
+      {"Add2TokenMajorT32", make_config(A, 32, 11, 7168, [](Config& c) {
          c.add2 = c.tap = true; c.bank_layout = BL::token_major; c.bank_rows = 12; c.snapshot_slot = 11; })},
-      {"Add2SixteenCandidatesH16384", make(A, 3, 15, 16384, [](Config& c) { c.add2 = true; })},
-      {"Add2SmallPadded", make(A, 7, 2, 64, [](Config& c) { c.add2 = c.tap = true; c.pad = 8; })},
-      {"Add2H72", make(A, 2, 6, 72, [](Config& c) { c.add2 = true; c.snapshot_slot = 6; })},
-      {"AddKimiLinearPadded", make(A, 17, 7, 2304, [](Config& c) { c.pad = 16; c.offset = 8; })},
-      {"SmallRows", make(A, 4, 8, 4096, [](Config& c) { c.add2 = true; c.magnitude = 1e-3; c.rms_eps = 1e-6; c.norm_eps = 1e-7; })},
+      {"Add2SixteenCandidatesH16384", make_config(A, 3, 15, 16384, [](Config& c) { c.add2 = true; })},
+      {"Add2SmallPadded", make_config(A, 7, 2, 64, [](Config& c) { c.add2 = c.tap = true; c.pad = 8; })},
+      {"Add2H72", make_config(A, 2, 6, 72, [](Config& c) { c.add2 = true; c.snapshot_slot = 6; })},
+      {"AddKimiLinearPadded", make_config(A, 17, 7, 2304, [](Config& c) { c.pad = 16; c.offset = 8; })},
+      {"SmallRows", make_config(A, 4, 8, 4096, [](Config& c) { c.add2 = true; c.magnitude = 1e-3; c.rms_eps = 1e-6; c.norm_eps = 1e-7; })},
   };
 }
 
@@ -287,7 +187,7 @@ class GpuKernel : public ::testing::TestWithParam<KernelKind> {};
 // Identical inputs give identical bits: repeated calls, PDL on and off, and a CUDA-graph replay.
 TEST_P(GpuKernel, DeterministicWithAndWithoutPdlAndInAGraph) {
   REQUIRE_HOPPER();
-  Config cfg = make(A, 8, 3, 7168, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; });
+  Config cfg = make_config(A, 8, 3, 7168, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; });
   cfg.seed = test_seed(static_cast<uint64_t>(GetParam()));
   const Case before(cfg);
   const Case first = run_gpu(before, forced(GetParam(), true));
@@ -302,7 +202,7 @@ TEST_P(GpuKernel, DeterministicWithAndWithoutPdlAndInAGraph) {
 // A token's result depends on neither T nor its position in the call.
 TEST_P(GpuKernel, TokenResultIndependentOfBatch) {
   REQUIRE_HOPPER();
-  Config cfg = make(A, 9, 3, 7168, [](Config& c) { c.add2 = c.tap = true; });  // N = 4: single_cta's range
+  Config cfg = make_config(A, 9, 3, 7168, [](Config& c) { c.add2 = c.tap = true; });  // N = 4: single_cta's range
   cfg.seed = test_seed(static_cast<uint64_t>(GetParam()));
   const Case batch = run_gpu(Case(cfg), forced(GetParam()));
   for (int64_t t : {int64_t{0}, int64_t{4}, int64_t{8}}) {
@@ -319,7 +219,7 @@ TEST_P(GpuKernel, TokenResultIndependentOfBatch) {
 // add + add2 fused == the one-addend call on their bf16 sum == the no-add call on the materialized prefix.
 TEST_P(GpuKernel, Add2EqualsPresummedAddEqualsMaterializedPrefix) {
   REQUIRE_HOPPER();
-  Config cfg = make(A, 6, 3, 7168, [](Config& c) { c.add2 = c.tap = true; });  // N = 4: single_cta's range
+  Config cfg = make_config(A, 6, 3, 7168, [](Config& c) { c.add2 = c.tap = true; });  // N = 4: single_cta's range
   cfg.seed = test_seed(static_cast<uint64_t>(GetParam()));
   const Case two_in(cfg);
   const Case two = run_gpu(two_in, forced(GetParam()));
@@ -357,7 +257,7 @@ TEST_P(GpuKernel, SubnormalsKept) {
 // A real device pointer off its 16-byte alignment is refused before any launch; nothing written.
 TEST_P(GpuKernel, MisalignedDevicePointerRefused) {
   REQUIRE_HOPPER();
-  Config cfg = make(A, 2, 2, 64, [](Config& c) { c.add2 = true; c.pad = 16; });
+  Config cfg = make_config(A, 2, 2, 64, [](Config& c) { c.add2 = true; c.pad = 16; });
   cfg.seed = test_seed(static_cast<uint64_t>(GetParam()));
   const Case before(cfg);
   Stream stream;
@@ -375,9 +275,9 @@ TEST_P(GpuKernel, MisalignedDevicePointerRefused) {
 // map, warp reduction and warp order, and a rank sum of one value is that value. Every mode, N in one bucket.
 TEST(GpuSplitK, OneBlockClusterGivesSingleCtaBits) {
   REQUIRE_HOPPER();
-  for (const Config& base : {make(A, 5, 3, 1024, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; c.bank_rows = 4; }),
-                             make(A, 3, 2, 64, [](Config& c) { c.pad = 8; }), make(N, 4, 1, 1000),
-                             make(R, 2, 3, 512)}) {
+  for (const Config& base : {make_config(A, 5, 3, 1024, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; c.bank_rows = 4; }),
+                             make_config(A, 3, 2, 64, [](Config& c) { c.pad = 8; }), make_config(N, 4, 1, 1000),
+                             make_config(R, 2, 3, 512)}) {
     Config cfg = base;
     cfg.seed = test_seed(static_cast<uint64_t>(cfg.H));
     const Case before(cfg);
@@ -394,9 +294,9 @@ TEST(GpuSplitK, OneBlockClusterGivesSingleCtaBits) {
 // the fp32 diagnostics and the snapshot row included.
 TEST(GpuSingleCta, GivesSplitKBitsAtEveryChunking) {
   REQUIRE_HOPPER();
-  for (const Config& base : {make(A, 7, 3, 7176, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; c.bank_rows = 4; }),
-                             make(A, 5, 1, 8192, [](Config& c) { c.tap = true; }), make(N, 3, 2, 4104),
-                             make(R, 9, 3, 2048), make(R, 4, 0, 1032), make(N, 2, 3, 7168, [](Config& c) { c.tap = true; })}) {
+  for (const Config& base : {make_config(A, 7, 3, 7176, [](Config& c) { c.add2 = c.tap = true; c.snapshot_slot = 3; c.bank_rows = 4; }),
+                             make_config(A, 5, 1, 8192, [](Config& c) { c.tap = true; }), make_config(N, 3, 2, 4104),
+                             make_config(R, 9, 3, 2048), make_config(R, 4, 0, 1032), make_config(N, 2, 3, 7168, [](Config& c) { c.tap = true; })}) {
     Config cfg = base;
     cfg.seed = test_seed(static_cast<uint64_t>(cfg.H));
     const Case before(cfg);
@@ -426,15 +326,15 @@ Options persistent_topology(bool pdl = true) {
 std::vector<GpuShape> persistent_shapes() {
   using BL = BankLayout;
   return {
-      {"KimiK3Add", make(P, 300, 8, 7168)},
-      {"KimiK3NoAdd", make(P, 300, 8, 7168, [](Config& c) { c.add = false; })},
-      {"TwoPassesH16384", make(P, 40, 15, 16384, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 16; })},
-      {"TwoPassesH7168", make(P, 140, 15, 7168)},
-      {"OddHiddenPaddedOffset", make(P, 150, 3, 2056, [](Config& c) { c.pad = 16; c.offset = 8; })},
-      {"RmsnormTopology", make(N, 200, 5, 4096, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 7; })},
-      {"AddRmsnormTopology", make(A, 133, 11, 8192, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 12; })},
-      {"OneCandidateOneVector", make(P, 70, 0, 8)},
-      {"KimiLinear", make(P, 500, 4, 2304, [](Config& c) { c.rms_eps = 1e-2; c.norm_eps = 1e-6; c.magnitude = 0.1; })},
+      {"KimiK3Add", make_config(P, 300, 8, 7168)},
+      {"KimiK3NoAdd", make_config(P, 300, 8, 7168, [](Config& c) { c.add = false; })},
+      {"TwoPassesH16384", make_config(P, 40, 15, 16384, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 16; })},
+      {"TwoPassesH7168", make_config(P, 140, 15, 7168)},
+      {"OddHiddenPaddedOffset", make_config(P, 150, 3, 2056, [](Config& c) { c.pad = 16; c.offset = 8; })},
+      {"RmsnormTopology", make_config(N, 200, 5, 4096, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 7; })},
+      {"AddRmsnormTopology", make_config(A, 133, 11, 8192, [](Config& c) { c.bank_layout = BL::token_major; c.bank_rows = 12; })},
+      {"OneCandidateOneVector", make_config(P, 70, 0, 8)},
+      {"KimiLinear", make_config(P, 500, 4, 2304, [](Config& c) { c.rms_eps = 1e-2; c.norm_eps = 1e-6; c.magnitude = 0.1; })},
   };
 }
 
@@ -478,7 +378,7 @@ TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
     for (int64_t H : {int64_t{7168}, int64_t{16384}, int64_t{2056}}) {
       // K = 3 at H = 16384 leaves a one-pass ring (6 slots) to compare with; K = 8 elsewhere.
       const int64_t K = H == 16384 ? 3 : 8;
-      Config cfg = make(P, 300, K, H, [&](Config& c) {
+      Config cfg = make_config(P, 300, K, H, [&](Config& c) {
         c.add = add;
         c.bank_layout = BankLayout::token_major;
         c.bank_rows = K + 1;
@@ -527,7 +427,7 @@ TEST(GpuPersistent, AutomaticTwoBlocksAreResident) {
                     int64_t{7168}})
     for (bool add : {true, false}) {
       SCOPED_TRACE("H=" + std::to_string(H) + " add=" + std::to_string(add));
-      Config cfg = make(P, 300, 8, H, [&](Config& c) { c.add = add; });
+      Config cfg = make_config(P, 300, 8, H, [&](Config& c) { c.add = add; });
       const Case before(cfg);
       const attnres::Plan planned = plan_on_gpu(before, Options{});
       ASSERT_EQ(planned.kernel, KernelKind::persistent) << planned.decline;
@@ -545,7 +445,7 @@ TEST(GpuPersistent, AutomaticTwoBlocksAreResident) {
 // A CUDA-graph replay of the call gives the eager bits, with and without PDL.
 TEST(GpuPersistent, GraphReplayEqualsEager) {
   REQUIRE_HOPPER();
-  Config cfg = make(A, 500, 8, 7168, [](Config& c) { c.bank_layout = BankLayout::token_major; c.bank_rows = 9; });
+  Config cfg = make_config(A, 500, 8, 7168, [](Config& c) { c.bank_layout = BankLayout::token_major; c.bank_rows = 9; });
   cfg.seed = test_seed();
   const Case before(cfg);
   const Case eager = run_gpu(before, persistent_topology());
@@ -557,7 +457,7 @@ TEST(GpuPersistent, GraphReplayEqualsEager) {
 // A token's result depends on neither T, nor its position, nor the block (and lap) that runs it.
 TEST(GpuPersistent, TokenResultIndependentOfBatch) {
   REQUIRE_HOPPER();
-  Config cfg = make(P, 400, 6, 7168);
+  Config cfg = make_config(P, 400, 6, 7168);
   cfg.seed = test_seed();
   const Case batch = run_gpu(Case(cfg), Options{});
   for (int64_t t : {int64_t{0}, int64_t{131}, int64_t{132}, int64_t{265}, int64_t{399}}) {
@@ -573,7 +473,7 @@ TEST(GpuPersistent, TokenResultIndependentOfBatch) {
 // prefix + add with subnormal operands and sums: bit for bit PyTorch's bf16 add.
 TEST(GpuPersistent, SubnormalsKept) {
   REQUIRE_HOPPER();
-  Config cfg = make(P, 200, 2, 128);
+  Config cfg = make_config(P, 200, 2, 128);
   cfg.seed = test_seed();
   Case before(cfg);
   constexpr size_t kPatterns = sizeof kSubnormalSums / sizeof kSubnormalSums[0];
@@ -598,7 +498,7 @@ TEST(GpuPersistent, SubnormalsKept) {
 // add2 under the persistent topology: the plan says why, the call is refused before anything is written.
 TEST(GpuPersistent, Add2IsDeclinedAndNothingIsWritten) {
   REQUIRE_HOPPER();
-  Config cfg = make(A, 300, 8, 7168, [](Config& c) { c.add2 = true; });
+  Config cfg = make_config(A, 300, 8, 7168, [](Config& c) { c.add2 = true; });
   cfg.seed = test_seed();
   const Case before(cfg);
   const Options o = persistent_topology();

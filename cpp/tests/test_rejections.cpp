@@ -17,14 +17,7 @@ namespace attnres_test {
 namespace {
 
 using attnres::Fp8Scales;
-using attnres::KernelKind;
-using attnres::Options;
 using attnres::Topology;
-
-constexpr AttnResOp R = AttnResOp::attn_res;
-constexpr AttnResOp N = AttnResOp::attn_res_rmsnorm;
-constexpr AttnResOp A = AttnResOp::attn_res_add_rmsnorm;
-constexpr AttnResOp P = AttnResOp::attn_res_add_rmsnorm_persistent;
 
 // T = 2, K = 2 (N = 3), H = 64 for every op, with every optional output the op takes.
 Config base_config(AttnResOp op) {
@@ -125,7 +118,6 @@ Rejection alias(const char* name, AttnResOp op, const std::string& arg, const st
   }, arg + " " + text);
 }
 
-const Device kCuda0{DeviceType::cuda, 0};
 const Device kCuda1{DeviceType::cuda, 1};
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 const double kInf = std::numeric_limits<double>::infinity();

@@ -32,7 +32,17 @@ using attnres::AttnResOp;
 using attnres::Device;
 using attnres::DeviceType;
 using attnres::DType;
+using attnres::KernelKind;
+using attnres::Options;
 using attnres::TensorRef;
+
+// The ops by the letters the suites' tables use.
+constexpr AttnResOp R = AttnResOp::attn_res;
+constexpr AttnResOp N = AttnResOp::attn_res_rmsnorm;
+constexpr AttnResOp A = AttnResOp::attn_res_add_rmsnorm;
+constexpr AttnResOp P = AttnResOp::attn_res_add_rmsnorm_persistent;
+
+const Device kCuda0{DeviceType::cuda, 0};
 
 // ---------------------------------------------------------------------------------------------------------
 // bf16 on the host: round to nearest even, subnormals kept, NaN stays NaN.
@@ -202,6 +212,20 @@ struct Config {
 };
 
 inline bool op_has_norm(AttnResOp op) { return op != AttnResOp::attn_res; }
+
+// `op` on T tokens, K snapshots and hidden size H, with the addend where the op takes one and the diagnostics
+// of attn_res; `more` adjusts the rest.
+inline Config make_config(AttnResOp op, int64_t T, int64_t K, int64_t H, const std::function<void(Config&)>& more = nullptr) {
+  Config c;
+  c.op = op;
+  c.T = T;
+  c.K = K;
+  c.H = H;
+  c.add = op == A || op == P;
+  c.diagnostics = op == R;
+  if (more) more(c);
+  return c;
+}
 
 struct Case {
   Config cfg;
