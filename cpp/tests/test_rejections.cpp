@@ -8,6 +8,7 @@
 #include <functional>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "plan_tuning.hpp"
@@ -46,20 +47,18 @@ struct Rejection {
 
 void PrintTo(const Rejection& r, std::ostream* os) { *os << r.name; }
 
+// The bf16/fp32 tensor arguments of a call, by the names the messages use (the FP8 output's are not here).
+std::vector<std::pair<std::string, TensorRef*>> named_refs(AttnResArgs& a) {
+  return {{"layer_residual", &a.layer_residual}, {"layer_residual_add", &a.layer_residual_add},
+          {"layer_residual_add2", &a.layer_residual_add2}, {"block_residual", &a.block_residual},
+          {"res_weight", &a.res_weight}, {"rms_weight", &a.rms_weight}, {"norm_weight", &a.norm_weight},
+          {"output", &a.output}, {"updated", &a.updated}, {"mixture", &a.mixture}, {"rsigma", &a.rsigma},
+          {"probs", &a.probs}, {"logits", &a.logits}};
+}
+
 TensorRef* ref_named(AttnResArgs& a, const std::string& name) {
-  if (name == "layer_residual") return &a.layer_residual;
-  if (name == "layer_residual_add") return &a.layer_residual_add;
-  if (name == "layer_residual_add2") return &a.layer_residual_add2;
-  if (name == "block_residual") return &a.block_residual;
-  if (name == "res_weight") return &a.res_weight;
-  if (name == "rms_weight") return &a.rms_weight;
-  if (name == "norm_weight") return &a.norm_weight;
-  if (name == "output") return &a.output;
-  if (name == "updated") return &a.updated;
-  if (name == "mixture") return &a.mixture;
-  if (name == "rsigma") return &a.rsigma;
-  if (name == "probs") return &a.probs;
-  if (name == "logits") return &a.logits;
+  for (const auto& [n, t] : named_refs(a))
+    if (n == name) return t;
   throw std::logic_error("no argument " + name);
 }
 
@@ -318,9 +317,7 @@ struct Misalignment {
 void PrintTo(const Misalignment& m, std::ostream* os) { *os << m.name; }
 
 void all_on_cuda(AttnResArgs& a) {
-  for (TensorRef* t : {&a.layer_residual, &a.layer_residual_add, &a.layer_residual_add2, &a.block_residual,
-                       &a.res_weight, &a.rms_weight, &a.norm_weight, &a.output, &a.updated, &a.mixture, &a.rsigma,
-                       &a.probs, &a.logits})
+  for (const auto& [name, t] : named_refs(a))
     if (t->present()) t->device = kCuda0;
 }
 
