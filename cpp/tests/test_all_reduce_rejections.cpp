@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnres/all_reduce.hpp"
@@ -23,6 +24,26 @@ using namespace attnres;
 constexpr int64_t kT = 2, kD = 64, kW = 2, kCapacity = 4;
 constexpr uint16_t kPoison = 0x7fc1;  // a NaN no reduction of the inputs can produce
 
+// The communicator of every case: kW ranks, this process rank 0, kCapacity tokens of width kD, on the CPU.
+CommRef base_comm() {
+  CommRef m;
+  m.world_size = kW;
+  m.rank = 0;
+  m.capacity = kCapacity;
+  m.width = kD;
+  return m;
+}
+
+// `call` throws ArgumentError with exactly `message`.
+void expect_argument_error(const std::function<void()>& call, const std::string& message) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted; expected: " << message;
+  } catch (const ArgumentError& e) {
+    EXPECT_EQ(std::string(e.what()), message);
+  }
+}
+
 struct Call {
   std::vector<uint16_t> gathered = std::vector<uint16_t>(kW * kT * kD, 0x3f80);  // 1.0
   std::vector<uint16_t> output = std::vector<uint16_t>(4 * kT * kD, kPoison);    // room for larger views
@@ -30,10 +51,7 @@ struct Call {
   AllReduceArgs args;
 
   Call() {
-    args.comm.world_size = kW;
-    args.comm.rank = 0;
-    args.comm.capacity = kCapacity;
-    args.comm.width = kD;
+    args.comm = base_comm();
     args.gathered = make_ref(gathered.data(), DType::bf16, Device{}, {kW, kT, kD});
     args.output = make_ref(output.data(), DType::bf16, Device{}, {kT, kD});
   }
@@ -47,12 +65,7 @@ struct Call {
 void expect_rejected(const std::function<void(Call&)>& mutate, const std::string& message) {
   Call call;
   mutate(call);
-  try {
-    all_reduce(call.args);
-    ADD_FAILURE() << "accepted; expected: " << message;
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(std::string(e.what()), message);
-  }
+  expect_argument_error([&] { all_reduce(call.args); }, message);
   EXPECT_TRUE(call.output_untouched()) << message;
 }
 
@@ -133,11 +146,7 @@ TensorRef cuda_state() {
 }
 
 CommRef registered_cuda_comm() {
-  CommRef m;
-  m.world_size = kW;
-  m.rank = 0;
-  m.capacity = kCapacity;
-  m.width = kD;
+  CommRef m = base_comm();
   m.device = Device{DeviceType::cuda, 0};
   m.buffers[0] = 0x100000;
   m.buffers[1] = 0x200000;
@@ -158,12 +167,7 @@ void expect_cuda_rejected(const std::function<void(Call&)>& mutate, const std::s
   Call call;
   cuda_comm(call);
   mutate(call);
-  try {
-    validate_all_reduce(call.args);
-    ADD_FAILURE() << "accepted; expected: " << message;
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(std::string(e.what()), message);
-  }
+  expect_argument_error([&] { validate_all_reduce(call.args); }, message);
 }
 
 TEST(AllReduceRejections, CudaCommunicatorBuffersAndState) {
@@ -243,10 +247,7 @@ struct MoeCall {
   MoeFinalizeAllReduceArgs args;
 
   MoeCall() {
-    args.comm.world_size = kW;
-    args.comm.rank = 0;
-    args.comm.capacity = kCapacity;
-    args.comm.width = kD;
+    args.comm = base_comm();
     MoeFinalizeArgs& f = args.finalize;
     f.rows = make_ref(rows.data(), DType::bf16, Device{}, {kRows, kD});
     f.weights = make_ref(weights.data(), DType::f32, Device{}, {kT, kK});
@@ -261,12 +262,7 @@ struct MoeCall {
 void expect_moe_rejected(const std::function<void(MoeCall&)>& mutate, const std::string& message) {
   MoeCall call;
   mutate(call);
-  try {
-    moe_finalize_all_reduce(call.args);
-    ADD_FAILURE() << "accepted; expected: " << message;
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(std::string(e.what()), message);
-  }
+  expect_argument_error([&] { moe_finalize_all_reduce(call.args); }, message);
   for (uint16_t v : call.output) ASSERT_EQ(v, kPoison) << message;
 }
 
@@ -303,34 +299,32 @@ TEST(AllReduceRejections, UnregisteredCudaCommunicator) {
   expect_cuda_rejected([](Call& c) { c.args.comm.rank = 1; }, msg);
 }
 
-TEST(AllReduceRejections, RegistryLookup) {
+// Another CUDA communicator's record (regions and state apart from registered_cuda_comm's, not registered yet)
+// and its state tensor.
+std::pair<CommRef, TensorRef> second_cuda_comm() {
   CommRef m = registered_cuda_comm();
   m.buffers[0] = 0x1000000;
   m.buffers[1] = 0x2000000;
   m.state = 0x50000;
   const TensorRef state =
       make_ref(reinterpret_cast<void*>(0x50000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+  return {m, state};
+}
+
+TEST(AllReduceRejections, RegistryLookup) {
+  const auto [m, state] = second_cuda_comm();
   const int64_t h = register_communicator(m, state, kRegionBytes);
   EXPECT_EQ(registered_communicator("op", h, state).state, m.state);
   auto rejected = [&](int64_t handle, const TensorRef& s, const std::string& message) {
-    try {
-      registered_communicator("op", handle, s);
-      ADD_FAILURE() << "accepted; expected: " << message;
-    } catch (const ArgumentError& e) {
-      EXPECT_EQ(std::string(e.what()), message);
-    }
+    expect_argument_error([&] { registered_communicator("op", handle, s); }, message);
   };
   rejected(h + 1000, state, "op: comm handle " + std::to_string(h + 1000) +
                                 " names no open communicator of this process (never created, or closed)");
   TensorRef one = state;
   one.shape[0] = 1;  // the one-element state that let the kernel write 12 words out of bounds
   rejected(h, one, "op: state must be the communicator's int32 [12] state tensor (stride 1), got shape [1] strides [1]");
-  try {
-    registered_communicator("all_reduce", h, TensorRef{});
-    ADD_FAILURE() << "accepted an absent state";
-  } catch (const ArgumentError& e) {
-    EXPECT_EQ(std::string(e.what()), "all_reduce: state is required (the communicator's state tensor)");
-  }
+  expect_argument_error([&] { registered_communicator("all_reduce", h, TensorRef{}); },
+                        "all_reduce: state is required (the communicator's state tensor)");
   TensorRef f32 = state;
   f32.dtype = DType::f32;
   rejected(h, f32, "op: state must be int32, got float32");
@@ -348,19 +342,9 @@ TEST(AllReduceRejections, RegistryLookup) {
 // Registration checks what it can without reading memory: the regions' size, that they are disjoint and do not
 // wrap, the state tensor named by the CommRef, empty regions on the CPU.
 TEST(AllReduceRejections, RegistrationRules) {
-  CommRef m = registered_cuda_comm();
-  m.buffers[0] = 0x1000000;
-  m.buffers[1] = 0x2000000;
-  m.state = 0x50000;
-  const TensorRef state =
-      make_ref(reinterpret_cast<void*>(0x50000), DType::i32, Device{DeviceType::cuda, 0}, {kAllReduceStateWords});
+  const auto [m, state] = second_cuda_comm();
   auto rejected = [&](const CommRef& comm, const TensorRef& s, int64_t bytes, const std::string& message) {
-    try {
-      register_communicator(comm, s, bytes);
-      ADD_FAILURE() << "accepted; expected: " << message;
-    } catch (const ArgumentError& e) {
-      EXPECT_EQ(std::string(e.what()), message);
-    }
+    expect_argument_error([&] { register_communicator(comm, s, bytes); }, message);
   };
   rejected(m, state, kRegionBytes + 2,
            "register_communicator: region_bytes must be 3 x W x (capacity + 1) x width x 2 = " +
