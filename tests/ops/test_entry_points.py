@@ -5,9 +5,6 @@ strides are refused before torch.from_dlpack, and error messages name values and
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -18,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import attnres
 from attnres import knobs
 from conftest import DEVICES, requires_cuda
+from helpers import assert_first_call_cheap
 
 BF16 = torch.bfloat16
 
@@ -187,9 +185,6 @@ def test_a_5000_digit_knob_value_is_a_knob_error():
 
 
 # ------------------------------------------------------------------- first call after import
-FIRST_CALL_LIMIT_S = 0.3
-
-
 def test_first_op_call_after_import_is_cheap():
     """The first call used to import torch._dynamo (seconds: torch.library.custom_op's kernels are wrapped in
     dynamo's disable). Measured in a fresh interpreter; the best of three processes, so one slow start on a
@@ -202,18 +197,7 @@ def test_first_op_call_after_import_is_cheap():
         t = time.perf_counter(); attnres.attn_res(lr, bank, w, w, 1e-5); first = time.perf_counter() - t
         print(first, "torch._dynamo" in sys.modules)
     """)
-    env = dict(os.environ)
-    results = []
-    for _ in range(3):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-        assert out.returncode == 0, out.stderr
-        first, dynamo = out.stdout.split()
-        results.append((float(first), dynamo))
-        if float(first) <= FIRST_CALL_LIMIT_S:
-            break
-    best = min(results)
-    assert best[1] == "False", "the first call imported torch._dynamo"
-    assert best[0] <= FIRST_CALL_LIMIT_S, f"first call took {best[0]:.3f} s (limit {FIRST_CALL_LIMIT_S} s): {results}"
+    assert_first_call_cheap(code)
 
 
 # ------------------------------------------------------------------- described devices

@@ -7,9 +7,6 @@ all-reduce ops use a one-rank world (gathered = the rank's own partial)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -18,6 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnres
 from attnres.comm import InProcessWorld
+from helpers import assert_first_call_cheap
 
 BF16 = torch.bfloat16
 T, H, K = 4, 128, 2
@@ -227,9 +225,6 @@ def test_mutating_ops_bump_the_version_counter():
         assert watched._version > v, name
 
 
-FIRST_CALL_LIMIT_S = 0.3
-
-
 @pytest.mark.parametrize("call", [
     "attnres.attn_res_rmsnorm(lr, bank, w, w, w, 1e-5, 1e-5, fp8='per_token')",
     "torch.ops.attnres.all_reduce(lr, lr[None], c.state, c.handle)",
@@ -245,15 +240,4 @@ def test_first_call_after_import_does_not_import_dynamo(call):
         t = time.perf_counter(); {call}; first = time.perf_counter() - t
         print(first, "torch._dynamo" in sys.modules)
     """)
-    results = []
-    for _ in range(3):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
-                             timeout=300)
-        assert out.returncode == 0, out.stderr
-        first, dynamo = out.stdout.split()
-        results.append((float(first), dynamo))
-        if float(first) <= FIRST_CALL_LIMIT_S:
-            break
-    best = min(results)
-    assert best[1] == "False", "the first call imported torch._dynamo"
-    assert best[0] <= FIRST_CALL_LIMIT_S, f"first call took {best[0]:.3f} s (limit {FIRST_CALL_LIMIT_S} s): {results}"
+    assert_first_call_cheap(code)
