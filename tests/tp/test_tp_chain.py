@@ -53,6 +53,19 @@ def _select(checks: list[C.Check], *words: str) -> list[C.Check]:
     return [c for c in checks if all(w in c.name for w in words)]
 
 
+def _run_check_command(cmd: list[str], out, cwd, timeout: int) -> tuple[subprocess.CompletedProcess, list[C.Check]]:
+    """Runs a `tp_check check ... --json out` command line as its own process, exactly as a user runs it: exit 0
+    and no FAIL line; a stall past `timeout` seconds fails with the command's output so far. Returns the finished
+    process and the checks it wrote."""
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=checkout_env())
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} ran past {timeout} s; its output so far:\n{e.stdout or ''}\n{e.stderr or ''}")
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "FAIL" not in proc.stdout, text
+    return proc, [C.Check(**r) for r in json.loads(out.read_text())]
+
+
 def _assert_all_pass(selected: list[C.Check], count: int) -> None:
     assert len(selected) == count, [c.name for c in selected]
     failed = [c.line() for c in selected if not c.passed]
@@ -72,13 +85,7 @@ def test_two_ranks(backend, tmp_path):
     out = tmp_path / "checks.json"
     cmd = [sys.executable, "-m", "tp_check", "check", "--device", device, "--tokens", "1,8", "--steps", "2",
            "--json", str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=checkout_env())
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} ran past 300 s; its output so far:\n{e.stdout or ''}\n{e.stderr or ''}")
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "FAIL" not in proc.stdout, text
-    checks = [C.Check(**r) for r in json.loads(out.read_text())]
+    _, checks = _run_check_command(cmd, out, tmp_path, timeout=300)
     _assert_all_pass(checks, 2 * (EXPECTED_PER_T["chain"](2) + EXPECTED_PER_T["finalize"]()))
     # Every rank ends each step bit-identical: T in {1, 8} x 2 steps x fold on/off, every site's prefix, output
     # and tap, the bank after every layer, the model output.
@@ -127,15 +134,9 @@ def test_ranks_as_processes_on_one_gpu(W, tokens, steps, layers, tmp_path):
     out = tmp_path / "checks.json"
     cmd = [sys.executable, "-m", "tp_check", "check", "--one-gpu", "--device", "cuda", "--nproc", str(W),
            "--tokens", tokens, "--steps", str(steps), "--layers", str(layers), "--block", "4", "--json", str(out)]
-    try:
-        # Below the GPU suite's per-test limit (tools/gpu_check.sh: 180 s), so that a stall shows its output.
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=tmp_path, env=checkout_env())
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} ran past 170 s; its output so far:\n{e.stdout or ''}\n{e.stderr or ''}")
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "FAIL" not in proc.stdout, text
-    assert f"{W} ranks on gloo (every rank on cuda:0), H=7168" in proc.stdout, text
-    checks = [C.Check(**r) for r in json.loads(out.read_text())]
+    # Below the GPU suite's per-test limit (tools/gpu_check.sh: 180 s), so that a stall shows its output.
+    proc, checks = _run_check_command(cmd, out, tmp_path, timeout=170)
+    assert f"{W} ranks on gloo (every rank on cuda:0), H=7168" in proc.stdout, proc.stdout + proc.stderr
     n_t = len(tokens.split(","))
     _assert_all_pass(checks, n_t * (EXPECTED_PER_T["chain"](steps, W) + EXPECTED_PER_T["finalize"](W)))
     per_fold = n_t * steps * 2
