@@ -19,6 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -350,3 +351,16 @@ def assert_first_call_cheap(code: str) -> None:
     best = min(results)
     assert best[1] == "False", "the first call imported torch._dynamo"
     assert best[0] <= FIRST_CALL_LIMIT_S, f"first call took {best[0]:.3f} s (limit {FIRST_CALL_LIMIT_S} s): {results}"
+
+
+def assert_bench_suite_cli(capsys, help_line: str, argv: list[str]) -> None:
+    """`python -m bench --help` exits 0 and lists the suite (`help_line`); without a CUDA GPU the suite's command
+    line `argv` exits 2 with "needs a CUDA GPU"."""
+    from bench.cli import main as bench_main  # the harness package at the repository root
+
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["--help"])
+    assert exc.value.code == 0 and help_line in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert bench_main(argv) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -5,11 +5,10 @@ with the peers' figures and the target read from records, the summary, and the C
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench import peers
-from bench.cli import main as bench_main
 from bench.targets import targets
+from helpers import assert_bench_suite_cli
 
 ISSUE_POINTS = {(1, 1), (1, 2), (1, 5), (1, 9), (1, 12), (8, 9), (32, 9), (128, 9), (1024, 9), (4096, 2), (4096, 9)}
 
@@ -89,12 +88,7 @@ def test_summary_lines():
 
 
 def test_cli(capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench_main(["--help"])
-    assert exc.value.code == 0 and "  peers       the default options and every kernel forced" in capsys.readouterr().out
-    if not torch.cuda.is_available():
-        assert bench_main(["peers", "--quick"]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert_bench_suite_cli(capsys, "  peers       the default options and every kernel forced", ["peers", "--quick"])
 
 
 def test_record_with_and_without_the_copy_rate():

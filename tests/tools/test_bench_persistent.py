@@ -6,13 +6,12 @@ refusing to measure without a GPU."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from attnres import reference
 from bench import persistent
 from bench.cli import main as bench_main
 from bench.targets import targets
-from helpers import assert_same_bits, make_inputs
+from helpers import assert_bench_suite_cli, assert_same_bits, make_inputs
 
 
 def test_grid_is_the_brief():
@@ -98,12 +97,7 @@ def test_summary_lines():
 
 
 def test_cli(capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench_main(["--help"])
-    assert exc.value.code == 0 and "  persistent  the persistent kernel vs the per-token kernel" in capsys.readouterr().out
+    assert_bench_suite_cli(capsys, "  persistent  the persistent kernel vs the per-token kernel", ["persistent"])
     with pytest.raises(SystemExit) as exc:  # refused before anything is measured, GPU or not
         bench_main(["persistent", "--hidden", "7170"])
     assert exc.value.code == 2 and "--hidden must be a multiple of 8" in capsys.readouterr().err
-    if not torch.cuda.is_available():
-        assert bench_main(["persistent"]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err

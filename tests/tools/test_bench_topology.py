@@ -4,11 +4,10 @@ target read from records (the default within 3% of the fastest forced kernel), t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from bench import topology
-from bench.cli import main as bench_main
 from bench.targets import targets
+from helpers import assert_bench_suite_cli
 
 
 def test_grid():
@@ -57,9 +56,5 @@ def test_summary_marks_a_slow_default():
 
 
 def test_cli(capsys):
-    with pytest.raises(SystemExit) as exc:
-        bench_main(["--help"])
-    assert exc.value.code == 0 and "  topology    the automatic topology against every kernel forced" in capsys.readouterr().out
-    if not torch.cuda.is_available():
-        assert bench_main(["topology", "--quick"]) == 2
-        assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert_bench_suite_cli(capsys, "  topology    the automatic topology against every kernel forced",
+                           ["topology", "--quick"])
