@@ -246,15 +246,44 @@ TEST(AddendRejections, OnlyTheSameViewIsInPlace) {
 // ---------------------------------------------------------------------------------------------------------
 // CUDA kernels
 
+// Device copies of every buffer of a Case, freed on scope exit (also when a call throws).
+struct DeviceBuffers {
+  std::vector<void*> ptrs;
+  cudaStream_t stream = nullptr;
+  ~DeviceBuffers() {
+    for (void* p : ptrs) cudaFree(p);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
 // Runs one call on device copies of every buffer of `c` and returns what the device buffers hold afterwards.
 Case run_gpu(const Case& c, const Call& k, const Options& o) {
-  Stream stream;
-  DeviceMirror mirror(c);
-  AttnResArgs a = call_args(c, k, [&](const Buffer& b) { return mirror.base(b); }, kCuda0);
-  a.stream = stream.get();
+  DeviceBuffers d;
+  const auto all = c.buffers();
+  for (const Buffer* b : all) {
+    void* p = nullptr;
+    cuda_ok(cudaMalloc(&p, b->nbytes() ? b->nbytes() : 16), "cudaMalloc");
+    d.ptrs.push_back(p);
+    if (b->nbytes()) cuda_ok(cudaMemcpy(p, b->host(), b->nbytes(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  }
+  cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  cuda_ok(cudaStreamCreateWithFlags(&d.stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const auto base = [&](const Buffer& b) -> void* {
+    for (size_t i = 0; i < all.size(); ++i)
+      if (all[i] == &b) return d.ptrs[i];
+    throw std::logic_error("buffer of another case");
+  };
+  AttnResArgs a = call_args(c, k, base, kCuda0);
+  a.stream = d.stream;
   attnres::run(k.op, a, o);
-  stream.sync();
-  return mirror.download();
+  cuda_ok(cudaStreamSynchronize(d.stream), "cudaStreamSynchronize");
+  cuda_ok(cudaGetLastError(), "kernel");
+  Case out = c;
+  const auto dst = out.buffers();
+  for (size_t i = 0; i < dst.size(); ++i)
+    if (dst[i]->nbytes())
+      cuda_ok(cudaMemcpy(dst[i]->host(), d.ptrs[i], dst[i]->nbytes(), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  return out;
 }
 
 attnres::Plan plan_on_gpu(const Case& c, const Call& k, const Options& o) {

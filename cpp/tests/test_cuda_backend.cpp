@@ -43,6 +43,64 @@ TEST(CudaUnavailable, CallOnCudaTensorsIsRefusedCleanly) {
 
 #if ATTNRES_WITH_CUDA
 
+// Device copies of every buffer of a Case (poisoned outputs and padding included), with the same views.
+class DeviceMirror {
+ public:
+  explicit DeviceMirror(const Case& c) : owner_(&c) {
+    for (const Buffer* b : c.buffers()) {
+      void* p = nullptr;
+      cuda_ok(cudaMalloc(&p, b->nbytes() ? b->nbytes() : 16), "cudaMalloc");
+      ptrs_.push_back(p);
+      if (b->nbytes()) cuda_ok(cudaMemcpy(p, b->host(), b->nbytes(), cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+    }
+    // A pageable-memory cudaMemcpy may return before its DMA lands, and the tests launch on non-blocking
+    // streams that do not order after the legacy stream: wait for the uploads here.
+    cuda_ok(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+  ~DeviceMirror() {
+    for (void* p : ptrs_) cudaFree(p);
+  }
+  DeviceMirror(const DeviceMirror&) = delete;
+  DeviceMirror& operator=(const DeviceMirror&) = delete;
+
+  void* base(const Buffer& b) const {
+    const auto all = owner_->buffers();
+    for (size_t i = 0; i < all.size(); ++i)
+      if (all[i] == &b) return ptrs_[i];
+    throw std::logic_error("buffer of another case");
+  }
+  AttnResArgs args(cudaStream_t stream) const {
+    AttnResArgs a = owner_->args_on([this](const Buffer& b) { return base(b); }, kCuda0);
+    a.stream = stream;
+    return a;
+  }
+  Case download() const {
+    Case out = *owner_;
+    const auto dst = out.buffers();
+    for (size_t i = 0; i < dst.size(); ++i)
+      if (dst[i]->nbytes()) cuda_ok(cudaMemcpy(dst[i]->host(), ptrs_[i], dst[i]->nbytes(), cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+    return out;
+  }
+
+ private:
+  const Case* owner_;
+  std::vector<void*> ptrs_;
+};
+
+class Stream {
+ public:
+  Stream() { cuda_ok(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking), "cudaStreamCreate"); }
+  ~Stream() { cudaStreamDestroy(s_); }
+  cudaStream_t get() const { return s_; }
+  void sync() const {
+    cuda_ok(cudaStreamSynchronize(s_), "cudaStreamSynchronize");
+    cuda_ok(cudaGetLastError(), "kernel");
+  }
+
+ private:
+  cudaStream_t s_ = nullptr;
+};
+
 Options forced(KernelKind kernel, bool pdl = true) {
   Options o;
   o.kernel = kernel;

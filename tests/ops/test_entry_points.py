@@ -14,8 +14,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnres
 from attnres import knobs
+from cli_checks import assert_first_call_cheap
 from conftest import DEVICES, requires_cuda
-from helpers import assert_first_call_cheap
 
 BF16 = torch.bfloat16
 

@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnres
 from attnres.comm import InProcessWorld
-from helpers import assert_first_call_cheap
+from cli_checks import assert_first_call_cheap
 
 BF16 = torch.bfloat16
 T, H, K = 4, 128, 2

@@ -8,7 +8,7 @@ import pytest
 
 from bench import peers
 from bench.targets import targets
-from helpers import assert_bench_suite_cli
+from cli_checks import assert_bench_suite_cli
 
 ISSUE_POINTS = {(1, 1), (1, 2), (1, 5), (1, 9), (1, 12), (8, 9), (32, 9), (128, 9), (1024, 9), (4096, 2), (4096, 9)}
 

@@ -11,7 +11,8 @@ from attnres import reference
 from bench import persistent
 from bench.cli import main as bench_main
 from bench.targets import targets
-from helpers import assert_bench_suite_cli, assert_same_bits, make_inputs
+from cli_checks import assert_bench_suite_cli
+from helpers import assert_same_bits, make_inputs
 
 
 def test_grid_is_the_brief():

@@ -7,7 +7,7 @@ import pytest
 
 from bench import topology
 from bench.targets import targets
-from helpers import assert_bench_suite_cli
+from cli_checks import assert_bench_suite_cli
 
 
 def test_grid():
