@@ -1,9 +1,10 @@
 // attnres._C.attn_res_call: one call of an attention-residual op straight from torch tensors.
 //
-// The library reaches tensors through their Python attributes (data_ptr(), shape, stride(), dtype, the device),
-// never through torch's C++ ABI, so one build of attnres runs with any torch. Reading them here, in one C++
-// call, costs a fraction of building a TensorRef per tensor in Python. Nothing here imports through DLPack or
-// synchronises a stream, so calls capture in CUDA graphs.
+// The library never reaches into torch's C++ ABI, so one build of attnres runs with any torch. A tensor's
+// pointer, shape and strides come from DLPack's C exchange table where torch publishes it (torch >= 2.10: one C
+// call per tensor, no allocation), else from its Python attributes (data_ptr(), shape, stride(), the device);
+// both in this one C++ call, a fraction of building a TensorRef per tensor in Python. Nothing here allocates a
+// DLPack capsule or synchronises a stream, so calls capture in CUDA graphs.
 #include <Python.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "attnres/attnres.hpp"
+#include "dlpack_exchange.hpp"
 
 namespace nb = nanobind;
 using namespace attnres;
@@ -28,10 +30,33 @@ struct Torch {
   PyObject* torch_function_mode = nullptr;
   PyObject* raw_stream = nullptr;      // torch._C._cuda_getCurrentRawStream(index) -> int (CUDA builds)
   PyObject* current_stream = nullptr;  // torch.cuda.current_stream(index) (fallback)
+  PyObject* strided = nullptr;         // torch.strided
+  const dlpack_exchange::Api* exchange = nullptr;  // torch's DLPack exchange table, when it has one
   std::array<std::pair<PyObject*, DType>, 17> dtypes{};
   PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_is_cpu, *s_get_device, *s_requires_grad,
-      *s_device, *s_cuda_stream;
+      *s_device, *s_cuda_stream, *s_layout, *s_is_nested;
 };
+
+// torch's DLPack exchange table (dlpack_exchange.hpp), or nullptr when this torch has none of a known version.
+const dlpack_exchange::Api* exchange_api(PyObject* tensor_type) {
+  PyObject* capsule = PyObject_GetAttrString(tensor_type, "__dlpack_c_exchange_api__");
+  if (!capsule) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  auto* api = static_cast<const dlpack_exchange::Api*>(PyCapsule_GetPointer(capsule, dlpack_exchange::kCapsuleName));
+  Py_DECREF(capsule);  // the table lives as long as the process (the standard's rule for producers)
+  if (!api) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  for (const dlpack_exchange::Header* h = &api->header; h; h = h->prev_api)
+    if (h->version.major == dlpack_exchange::kMajorVersion) {
+      const auto* found = reinterpret_cast<const dlpack_exchange::Api*>(h);
+      return found->dltensor_from_py_object_no_sync && found->current_work_stream ? found : nullptr;
+    }
+  return nullptr;
+}
 
 PyObject* attr(PyObject* o, const char* name) {
   PyObject* r = PyObject_GetAttrString(o, name);
@@ -54,6 +79,8 @@ const Torch& torch_api() {
     t->torch_function_mode = attr(C, "_is_torch_function_mode_enabled");
     t->raw_stream = PyObject_GetAttrString(C, "_cuda_getCurrentRawStream");
     if (!t->raw_stream) PyErr_Clear();
+    t->strided = attr(torch, "strided");
+    t->exchange = exchange_api(t->tensor_type);
     PyObject* cuda = attr(torch, "cuda");
     t->current_stream = attr(cuda, "current_stream");
     const std::pair<const char*, DType> names[] = {
@@ -73,6 +100,8 @@ const Torch& torch_api() {
     t->s_requires_grad = PyUnicode_InternFromString("requires_grad");
     t->s_device = PyUnicode_InternFromString("device");
     t->s_cuda_stream = PyUnicode_InternFromString("cuda_stream");
+    t->s_layout = PyUnicode_InternFromString("layout");
+    t->s_is_nested = PyUnicode_InternFromString("is_nested");
     return t;
   }();
   return *t;
@@ -110,7 +139,47 @@ bool plain(PyObject* o, const Torch& t) {
 }
 
 // Rows arguments ([T, H] tensors of the token rows) may come as [T, 1, H]: read as [T, H] through strides.
-TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* name, bool rows) {
+// `shape`/`stride` give dimension i of the tensor's `ndim`.
+template <typename Shape, typename Stride>
+void set_dims(TensorRef& r, Py_ssize_t ndim, bool rows, const char* op, const char* name, Shape shape,
+              Stride stride) {
+  const bool squeeze = rows && ndim == 3 && shape(1) == 1;
+  const Py_ssize_t kept = squeeze ? 2 : ndim;
+  if (kept > kMaxRank)
+    throw ArgumentError(std::string(op) + ": " + name + " has rank " + std::to_string(ndim) +
+                        ": the library takes tensors of rank <= " + std::to_string(kMaxRank));
+  r.ndim = static_cast<int32_t>(kept);
+  for (Py_ssize_t i = 0, j = 0; i < ndim; ++i) {
+    if (squeeze && i == 1) continue;
+    r.shape[j] = shape(i);
+    r.strides[j] = stride(i);
+    ++j;
+  }
+}
+
+// Pointer, shape, strides and device index through torch's DLPack exchange table; false (nothing read) where it
+// cannot answer. The table reads dense strided CPU and CUDA tensors only (torch dereferences any other layout,
+// a nested or a meta tensor without checking): read_tensor has screened the device and the layout.
+bool read_exchange(PyObject* o, const Torch& t, TensorRef& r, bool rows, const char* op, const char* name) {
+  if (!t.exchange || r.dtype == DType::other || !plain(o, t)) return false;
+  dlpack_exchange::DLTensor d;
+  if (t.exchange->dltensor_from_py_object_no_sync(o, &d) != 0) {
+    PyErr_Clear();  // the attribute path reads it, or names what is wrong
+    return false;
+  }
+  const bool cuda = r.device.type == DeviceType::cuda;
+  if (d.device.device_type != (cuda ? dlpack_exchange::kDLCUDA : dlpack_exchange::kDLCPU) || d.ndim < 0 ||
+      (d.ndim > 0 && (d.shape == nullptr || d.strides == nullptr)))
+    return false;
+  set_dims(r, d.ndim, rows, op, name, [&](Py_ssize_t i) { return d.shape[i]; },
+           [&](Py_ssize_t i) { return d.strides[i]; });
+  r.data = static_cast<char*>(d.data) + d.byte_offset;
+  if (cuda) r.device.index = d.device.device_id;
+  return true;
+}
+
+TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* name, bool rows,
+                      bool exchange = true) {
   TensorRef r;
   if (o == Py_None) return r;
   if (!PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type)))
@@ -121,38 +190,32 @@ TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* n
     for (const auto& [obj, code] : t.dtypes)
       if (obj == dtype.p) r.dtype = code;
   }
-  {
-    Ref is_cuda(PyObject_GetAttr(o, t.s_is_cuda));
-    if (truth(is_cuda.p)) {
-      Ref index(PyObject_CallMethodNoArgs(o, t.s_get_device));
-      r.device = Device{DeviceType::cuda, static_cast<int32_t>(as_int(index.p))};
-    } else {
-      Ref is_cpu(PyObject_GetAttr(o, t.s_is_cpu));
-      if (!truth(is_cpu.p)) {
-        Ref dev(PyObject_GetAttr(o, t.s_device));
-        Ref text(PyObject_Str(dev.p));
-        throw ArgumentError(std::string(op) + ": " + name + " is on " + PyUnicode_AsUTF8(text.p) +
-                            ": only cpu and cuda tensors are supported");
-      }
-      r.device = Device{DeviceType::cpu, 0};
-    }
+  const bool is_cuda = truth(Ref(PyObject_GetAttr(o, t.s_is_cuda)).p);
+  if (!is_cuda && !truth(Ref(PyObject_GetAttr(o, t.s_is_cpu)).p)) {
+    Ref dev(PyObject_GetAttr(o, t.s_device));
+    Ref text(PyObject_Str(dev.p));
+    throw ArgumentError(std::string(op) + ": " + name + " is on " + PyUnicode_AsUTF8(text.p) +
+                        ": only cpu and cuda tensors are supported");
   }
+  r.device = Device{is_cuda ? DeviceType::cuda : DeviceType::cpu, 0};
+  {
+    Ref layout(PyObject_GetAttr(o, t.s_layout));
+    if (layout.p != t.strided) {
+      Ref text(PyObject_Str(layout.p));
+      throw ArgumentError(std::string(op) + ": " + name + " must be a dense strided tensor, got layout " +
+                          PyUnicode_AsUTF8(text.p));
+    }
+    if (truth(Ref(PyObject_GetAttr(o, t.s_is_nested)).p))
+      throw ArgumentError(std::string(op) + ": " + name + " must be a dense strided tensor, got a nested tensor");
+  }
+  if (exchange && read_exchange(o, t, r, rows, op, name)) return r;
+  if (is_cuda) r.device.index = static_cast<int32_t>(as_int(Ref(PyObject_CallMethodNoArgs(o, t.s_get_device)).p));
   Ref shape(PyObject_GetAttr(o, t.s_shape));
   Ref stride(PyObject_CallMethodNoArgs(o, t.s_stride));
   const Py_ssize_t ndim = PyTuple_Size(shape.p);
   if (ndim < 0) throw nb::python_error();
-  const bool squeeze = rows && ndim == 3 && as_int(PyTuple_GET_ITEM(shape.p, 1)) == 1;
-  const Py_ssize_t kept = squeeze ? 2 : ndim;
-  if (kept > kMaxRank)
-    throw ArgumentError(std::string(op) + ": " + name + " has rank " + std::to_string(ndim) +
-                        ": the library takes tensors of rank <= " + std::to_string(kMaxRank));
-  r.ndim = static_cast<int32_t>(kept);
-  for (Py_ssize_t i = 0, j = 0; i < ndim; ++i) {
-    if (squeeze && i == 1) continue;
-    r.shape[j] = as_int(PyTuple_GET_ITEM(shape.p, i));
-    r.strides[j] = as_int(PyTuple_GET_ITEM(stride.p, i));
-    ++j;
-  }
+  set_dims(r, ndim, rows, op, name, [&](Py_ssize_t i) { return as_int(PyTuple_GET_ITEM(shape.p, i)); },
+           [&](Py_ssize_t i) { return as_int(PyTuple_GET_ITEM(stride.p, i)); });
   Ref ptr(PyObject_CallMethodNoArgs(o, t.s_data_ptr));
   r.data = reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(ptr.p)));
   if (PyErr_Occurred()) throw nb::python_error();
@@ -161,6 +224,11 @@ TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* n
 
 // The caller's current stream on a CUDA device, as torch sees it.
 void* current_stream(const Torch& t, int32_t index) {
+  if (t.exchange) {
+    void* stream = nullptr;
+    if (t.exchange->current_work_stream(dlpack_exchange::kDLCUDA, index, &stream) == 0) return stream;
+    PyErr_Clear();
+  }
   if (t.raw_stream) {
     Ref s(PyObject_CallFunction(t.raw_stream, "i", index));
     return reinterpret_cast<void*>(static_cast<uintptr_t>(PyLong_AsUnsignedLongLong(s.p)));
@@ -275,6 +343,15 @@ void bind_call(nb::module_& m) {
       nb::arg("op"), nb::arg("tensors"), nb::arg("rms_eps"), nb::arg("norm_eps"), nb::arg("snapshot_slot"),
       nb::arg("num_snapshots"), nb::arg("fp8").none(), nb::arg("fp8_pow2_scales"), nb::arg("options"),
       nb::arg("direct"));
+
+  // How the call path reads a tensor (tests compare the exchange-table read with the attribute read).
+  m.def(
+      "_read_tensor",
+      [](nb::handle tensor, bool rows, bool exchange) {
+        return read_tensor(tensor.ptr(), torch_api(), "attnres._read_tensor", "tensor", rows, exchange);
+      },
+      nb::arg("tensor"), nb::arg("rows"), nb::arg("exchange"));
+  m.def("_has_dlpack_exchange", []() { return torch_api().exchange != nullptr; });
 
   // The same preconditions for a traced (fake) call: TensorRefs of the fake tensors (synthetic addresses), the
   // bank's rows rule, then validate() without requiring the outputs.

@@ -135,6 +135,7 @@ NB_MODULE(_C, m) {
            nb::arg("data"), nb::arg("dtype"), nb::arg("device_type"), nb::arg("device_index"), nb::arg("shape"),
            nb::arg("strides"))
       .def_prop_ro("present", &TensorRef::present)
+      .def_prop_ro("dtype", [](const TensorRef& t) { return t.dtype; })
       .def_prop_ro("device_type", [](const TensorRef& t) { return t.device.type; })
       .def_prop_ro("device_index", [](const TensorRef& t) { return t.device.index; })
       .def_prop_ro("shape", [](const TensorRef& t) { return dims(t.shape, t.ndim); })
