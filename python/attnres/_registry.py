@@ -82,12 +82,36 @@ def define(name: str, schema: str, impl: Callable, fake: Callable, *, mutates: b
     torch.library.register_fake(f"attnres::{name}", fake, lib=_LIB)
 
 
+def _bump_takes_tuples() -> bool:
+    """Whether this torch's _increment_version takes a tuple of tensors and passes over inference tensors (which
+    have no version counter) itself: one C call for all of a call's written tensors."""
+    try:
+        with torch.inference_mode():
+            inference = torch.empty(0)
+        torch._C._increment_version((torch.empty(0), inference))
+        return True
+    except (TypeError, RuntimeError):
+        return False
+
+
+if _bump_takes_tuples():
+    _bump = torch._C._increment_version
+
+    def bump_versions(tensors: tuple) -> None:
+        """note_writes for a tuple of tensors (no None)."""
+        _bump(tensors)
+else:
+    def bump_versions(tensors: tuple) -> None:
+        """note_writes for a tuple of tensors (no None)."""
+        for t in tensors:
+            if not t.is_inference():
+                torch.autograd.graph.increment_version(t)
+
+
 def note_writes(*tensors) -> None:
     """What an ADInplaceOrView kernel does for a mutated argument (a Library registration has none): bump its
     version counter, so autograd sees the write (inference tensors have no counter)."""
-    for t in tensors:
-        if t is not None and not t.is_inference():
-            torch.autograd.graph.increment_version(t)
+    bump_versions(tuple(t for t in tensors if t is not None))
 
 
 class Op:

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import _C, _attn_ops
 from ._attn_ops import FAMILIES, allocate, call, rows_past_storage
-from ._registry import note_writes
+from ._registry import bump_versions, note_writes
 from ._tensors import as_tensor
 from .errors import ArgumentError
 from .options import DEFAULT, Options
@@ -194,7 +194,7 @@ def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: fl
                                     None),
                      rms_eps, 1e-5, -1, _NOT_SNAPSHOT, None, False, _DEFAULT_C, True):
                 if out is not None:
-                    note_writes(updated, mixture)
+                    bump_versions((mixture,) if updated is None else (updated, mixture))
                 return mixture if updated is None else (updated, mixture)
     produced = (("updated",) if layer_residual_add is not None else ()) + ("output",) + \
         (("rsigma", "probs", "logits") if diagnostics else ())
@@ -251,7 +251,7 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
                                                 None, None, None, None, None, None),
                      rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
                 if out is not None:
-                    note_writes(updated, output)
+                    bump_versions((updated, output))
                 return updated, output
     produced = ("updated", "output") + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "layer_residual_add": layer_residual_add,
