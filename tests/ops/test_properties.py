@@ -754,6 +754,9 @@ def test_moe_finalize_properties(device, primary, data):
     #      sum of squares is 0): the oracle's own rounding of x may differ by a >= 1% step. x is pinned by (1);
     #      the norm is checked from x in (3);
     #    * with the norm, eps = 0 and that sum of squares 0, the contract's r = 1/sqrt(0) = inf: (3);
+    #    * with the norm and an eps below 2^-90, a token whose largest |x| is below 2^-63 (x^2 below fp32's
+    #      normal range): its fp32 sum of squares holds a few bits (or is 0), so r is that rounding's, not the
+    #      oracle's: its direction is checked in (3), and inf / NaN where that sum rounded to 0;
     #    * huge rows with the norm: the fp32 sum of squares overflows, r = 0 (checked finite in (3));
     #    * a cancelling sum (kappa > KAPPA_MAX) amplifies fp32 rounding beyond the rule.
     norm = c.norm_weight is not None
@@ -764,12 +767,16 @@ def test_moe_finalize_properties(device, primary, data):
     x_zero = (x32 == 0).all(-1)
     few_bits = (x32.abs().amax(-1) < 2.0 ** -118) & ~x_zero
     r_inf = norm and eps32 == 0
-    tokens, from_x, inf_r = [], [], []
+    subnormal_squares = (x32.abs().amax(-1) < 2.0 ** -63) & ~x_zero & ~few_bits
+    free_scale = norm and eps32 < 2.0 ** -90
+    tokens, from_x, inf_r, direction = [], [], [], []
     for t, cls in enumerate(c.classes):
         if r_inf and bool(x_zero[t] | few_bits[t]):
             inf_r.append(t)
         elif bool(few_bits[t]):
             from_x.append(t)
+        elif free_scale and bool(subnormal_squares[t]):
+            direction.append(t)
         elif not (norm and cls == "huge") and float(kappa[t]) <= KAPPA_MAX:
             tokens.append(t)
     _event(f"token checks: oracle {bool(tokens)}, from x {bool(from_x)}, r = inf {bool(inf_r)}")
@@ -785,7 +792,18 @@ def test_moe_finalize_properties(device, primary, data):
         zero = x32[t] == 0
         assert bool(torch.isnan(o[zero]).all() and torch.isinf(o[~zero]).all()), \
             f"{ctx}: token {t}: eps = 0 and an fp32 sum of squares of 0 must give NaN where x == 0, +-inf elsewhere"
-    fin = [t for t in range(spec.T) if t not in inf_r]
+    for t in direction:  # r from a subnormal fp32 sum of squares: out is bf16(x * r) * w for some r > 0, or inf
+        o, own = out[t].double(), reference.two_rounding_rmsnorm(x[t:t + 1], c.norm_weight.cpu(), eps32)[0].double()
+        if torch.isfinite(o).all() and float(own.norm()) == 0:
+            assert float(o.norm()) == 0, f"{ctx}: token {t}: a zero direction must stay zero"
+        elif torch.isfinite(o).all():
+            cos = float((o @ own) / (o.norm() * own.norm()))
+            assert cos > 0.999, f"{ctx}: token {t}: a subnormal sum of squares changes r, not the direction (cos {cos})"
+        else:
+            zero = x32[t] == 0
+            assert bool(torch.isnan(o[zero]).all() and torch.isinf(o[~zero]).all()), \
+                f"{ctx}: token {t}: a sum of squares rounded to 0 must give NaN where x == 0, +-inf elsewhere"
+    fin = [t for t in range(spec.T) if t not in inf_r and t not in direction]
     assert torch.isfinite(out[fin].float()).all(), f"{ctx}: non-finite output for finite inputs [tokens {fin}]"
 
 
