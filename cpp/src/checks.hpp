@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "attnres/error.hpp"
 #include "attnres/tensor.hpp"
@@ -14,11 +15,15 @@ namespace attnres::detail {
 
 class Checker {
  public:
-  explicit Checker(std::string op) : op_(std::move(op)) {}
+  // `op` must outlive the checker (an op's name literal, or the validator's argument): nothing is copied until
+  // a check fails, so a call that passes allocates nothing here.
+  explicit Checker(std::string_view op) : op_(op) {}
 
   [[noreturn]] void fail(const std::string& arg, const std::string& rule) const {
-    throw ArgumentError(op_ + ": " + arg + " " + rule);
+    throw ArgumentError(op_text() + ": " + arg + " " + rule);
   }
+
+  std::string op_text() const { return std::string(op_); }
 
   void dtype(const char* arg, const TensorRef& t, DType want) const {
     if (t.dtype != want) fail(arg, std::string("must be ") + dtype_name(want) + ", got " + dtype_name(t.dtype));
@@ -74,7 +79,7 @@ class Checker {
   }
 
  private:
-  std::string op_;
+  std::string_view op_;
 };
 
 }  // namespace attnres::detail

@@ -1,9 +1,10 @@
 // Preconditions of the attention-residual ops, checked in one place for every backend, before anything
 // runs. Messages: "<op>: <argument> <rule>" (docs/ops/*.md lists each one with its test).
+#include <array>
 #include <cmath>
+#include <initializer_list>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "attnres/attn_res.hpp"
 #include "attnres/error.hpp"
@@ -51,19 +52,22 @@ class Checker : public detail::Checker {
   }
 
   // Rank and exact shape; `want` entries < 0 match anything.
-  void shape(const char* arg, const TensorRef& t, const std::vector<int64_t>& want, const char* pattern) const {
+  void shape(const char* arg, const TensorRef& t, std::initializer_list<int64_t> want, const char* pattern) const {
     if (t.ndim != static_cast<int>(want.size()))
       fail(arg, "must be a " + std::to_string(want.size()) + "-D " + pattern + " tensor, got " +
                     std::to_string(t.ndim) + " dimensions " + t.shape_string());
-    for (size_t i = 0; i < want.size(); ++i)
-      if (want[i] >= 0 && t.shape[i] != want[i]) fail(arg, std::string("must have shape ") + pattern + " = " +
-                                                                 expected(want) + ", got " + t.shape_string());
+    int i = 0;
+    for (const int64_t w : want) {
+      if (w >= 0 && t.shape[i] != w)
+        fail(arg, std::string("must have shape ") + pattern + " = " + expected(want) + ", got " + t.shape_string());
+      ++i;
+    }
   }
 
  private:
-  static std::string expected(const std::vector<int64_t>& want) {
+  static std::string expected(std::initializer_list<int64_t> want) {
     std::string s = "[";
-    for (size_t i = 0; i < want.size(); ++i) s += (i ? ", " : "") + (want[i] < 0 ? std::string("*") : std::to_string(want[i]));
+    for (const int64_t w : want) s += (s.size() > 1 ? ", " : "") + (w < 0 ? std::string("*") : std::to_string(w));
     return s + "]";
   }
 };
@@ -176,15 +180,15 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
     c.fail("block_residual", "holds K = " + std::to_string(K) + " snapshots: N = K + 1 must be in [1, " +
                                  std::to_string(kMaxCandidates) + "]");
 
-  std::vector<Named> inputs = {{"layer_residual", &a.layer_residual},
+  const std::array<Named, 7> inputs = {{{"layer_residual", &a.layer_residual},
                                {"layer_residual_add", &a.layer_residual_add},
                                {"layer_residual_add2", &a.layer_residual_add2},
                                {"block_residual", &a.block_residual},
                                {"res_weight", &a.res_weight},
                                {"rms_weight", &a.rms_weight},
-                               {"norm_weight", &a.norm_weight}};
-  std::vector<Named> outputs = {{"output", &a.output},   {"updated", &a.updated}, {"mixture", &a.mixture},
-                                {"rsigma", &a.rsigma},   {"probs", &a.probs},     {"logits", &a.logits}};
+                               {"norm_weight", &a.norm_weight}}};
+  const std::array<Named, 6> outputs = {{{"output", &a.output},   {"updated", &a.updated}, {"mixture", &a.mixture},
+                                         {"rsigma", &a.rsigma},   {"probs", &a.probs},     {"logits", &a.logits}}};
 
   for (const Named& in : {inputs[1], inputs[2]})
     if (in.ref->present()) c.shape(in.name, *in.ref, {T, H}, "[T, H]");
@@ -214,14 +218,16 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   const Device dev = lr.device;
   for (const Named& t : {Named{"output_fp8", &a.output_fp8}, Named{"fp8_scales", &a.fp8_scales}})
     if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
-  for (const std::vector<Named>* group : {&inputs, &outputs})
-    for (const Named& t : *group)
-      if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
+  for (const Named& t : inputs)
+    if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
+  for (const Named& t : outputs)
+    if (t.ref->present()) c.device(t.name, *t.ref, dev, "layer_residual");
 
   // 5. Layouts: innermost stride 1, non-negative strides, no element shared by two indices.
-  for (const std::vector<Named>* group : {&inputs, &outputs})
-    for (const Named& t : *group)
-      if (t.ref->present()) c.layout(t.name, *t.ref);
+  for (const Named& t : inputs)
+    if (t.ref->present()) c.layout(t.name, *t.ref);
+  for (const Named& t : outputs)
+    if (t.ref->present()) c.layout(t.name, *t.ref);
 
   // 6. Scalars.
   c.eps("rms_eps", a.rms_eps);
@@ -251,22 +257,39 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   // kernel reads a token's prefix before it writes that token's updated row, and no other thread reads it.
   // Any partial overlap stays refused.
   const bool in_place = a.updated.present() && same_view(a.updated, a.layer_residual);
-  std::vector<Named> written = outputs;
-  if (snapshot_rows.present()) written.push_back({"snapshot row", &snapshot_rows});
-  written.push_back({"output_fp8", &a.output_fp8});
-  written.push_back({"fp8_scales", &a.fp8_scales});
-  for (size_t i = 0; i < written.size(); ++i) {
-    if (!written[i].ref->present()) continue;
-    for (const Named& in : inputs) {
+  // Each view's byte range once; the pairs below compare ranges (the rules and their order as in the messages).
+  struct Span {
+    const char* name;
+    const TensorRef* ref;
+    uintptr_t lo = 0, hi = 0;
+  };
+  std::array<Span, 9> written{};
+  size_t num_written = 0;
+  for (const Named& t : outputs) written[num_written++] = {t.name, t.ref};
+  if (snapshot_rows.present()) written[num_written++] = {"snapshot row", &snapshot_rows};
+  written[num_written++] = {"output_fp8", &a.output_fp8};
+  written[num_written++] = {"fp8_scales", &a.fp8_scales};
+  std::array<Span, 7> read{};
+  for (size_t i = 0; i < inputs.size(); ++i) read[i] = {inputs[i].name, inputs[i].ref};
+  for (size_t i = 0; i < num_written; ++i)
+    if (written[i].ref->present()) written[i].ref->byte_range(written[i].lo, written[i].hi);
+  for (Span& t : read)
+    if (t.ref->present()) t.ref->byte_range(t.lo, t.hi);
+  const auto overlap = [](const Span& x, const Span& y) {
+    return x.lo != x.hi && y.lo != y.hi && x.lo < y.hi && y.lo < x.hi;
+  };
+  for (size_t i = 0; i < num_written; ++i) {
+    const Span& w = written[i];
+    if (!w.ref->present()) continue;
+    for (const Span& in : read) {
       if (!in.ref->present()) continue;
-      if (written[i].ref == &snapshot_rows && in.ref == &a.block_residual) continue;  // checked in 7
-      if (in_place && written[i].ref == &a.updated && in.ref == &a.layer_residual) continue;
-      if (detail::overlaps(*written[i].ref, *in.ref))
-        c.fail(written[i].name, std::string("overlaps ") + in.name + " (outputs must not alias inputs)");
+      if (w.ref == &snapshot_rows && in.ref == &a.block_residual) continue;  // checked in 7
+      if (in_place && w.ref == &a.updated && in.ref == &a.layer_residual) continue;
+      if (overlap(w, in)) c.fail(w.name, std::string("overlaps ") + in.name + " (outputs must not alias inputs)");
     }
     for (size_t j = 0; j < i; ++j)
-      if (written[j].ref->present() && detail::overlaps(*written[i].ref, *written[j].ref))
-        c.fail(written[i].name, std::string("overlaps ") + written[j].name + " (outputs must not alias each other)");
+      if (written[j].ref->present() && overlap(w, written[j]))
+        c.fail(w.name, std::string("overlaps ") + written[j].name + " (outputs must not alias each other)");
   }
 
   // 9. Kernel layout rules on CUDA: every bf16 tensor is read or written in 16-byte vectors.

@@ -22,6 +22,15 @@ using namespace attnres;
 namespace {
 
 // torch's types and the attribute names, looked up once (torch is imported by the package before any call).
+// A tensor attribute: its interned name, and the C getter of torch's getset descriptor on torch.Tensor (which
+// torch.nn.Parameter inherits unchanged). For an object whose type is exactly one of those two, calling the
+// getter is what attribute lookup would do after finding that data descriptor, without the lookup.
+struct Attr {
+  PyObject* name = nullptr;
+  getter get = nullptr;
+  void* closure = nullptr;
+};
+
 struct Torch {
   PyObject* tensor_type = nullptr;
   PyObject* parameter_type = nullptr;
@@ -33,8 +42,8 @@ struct Torch {
   PyObject* strided = nullptr;         // torch.strided
   const dlpack_exchange::Api* exchange = nullptr;  // torch's DLPack exchange table, when it has one
   std::array<std::pair<PyObject*, DType>, 17> dtypes{};
-  PyObject *s_data_ptr, *s_shape, *s_stride, *s_dtype, *s_is_cuda, *s_is_cpu, *s_get_device, *s_requires_grad,
-      *s_device, *s_cuda_stream, *s_layout, *s_is_nested;
+  PyObject *s_data_ptr, *s_shape, *s_stride, *s_get_device, *s_device, *s_cuda_stream;
+  Attr dtype, is_cuda, is_cpu, layout, is_nested, requires_grad;
 };
 
 // torch's DLPack exchange table (dlpack_exchange.hpp), or nullptr when this torch has none of a known version.
@@ -62,6 +71,24 @@ PyObject* attr(PyObject* o, const char* name) {
   PyObject* r = PyObject_GetAttrString(o, name);
   if (!r) throw nb::python_error();
   return r;  // kept for the process's lifetime
+}
+
+// The getter is used only when torch.Tensor and torch.nn.Parameter resolve `name` to the same getset
+// descriptor; otherwise every read goes through attribute lookup.
+Attr tensor_attr(PyObject* tensor_type, PyObject* parameter_type, const char* name) {
+  Attr a;
+  a.name = PyUnicode_InternFromString(name);
+  PyObject* on_tensor = PyObject_GetAttr(tensor_type, a.name);
+  PyObject* on_parameter = on_tensor ? PyObject_GetAttr(parameter_type, a.name) : nullptr;
+  if (on_tensor && on_parameter && on_tensor == on_parameter && Py_IS_TYPE(on_tensor, &PyGetSetDescr_Type)) {
+    const PyGetSetDef* def = reinterpret_cast<PyGetSetDescrObject*>(on_tensor)->d_getset;
+    a.get = def->get;
+    a.closure = def->closure;
+  }
+  Py_XDECREF(on_tensor);
+  Py_XDECREF(on_parameter);
+  PyErr_Clear();
+  return a;
 }
 
 const Torch& torch_api() {
@@ -93,15 +120,13 @@ const Torch& torch_api() {
     t->s_data_ptr = PyUnicode_InternFromString("data_ptr");
     t->s_shape = PyUnicode_InternFromString("shape");
     t->s_stride = PyUnicode_InternFromString("stride");
-    t->s_dtype = PyUnicode_InternFromString("dtype");
-    t->s_is_cuda = PyUnicode_InternFromString("is_cuda");
-    t->s_is_cpu = PyUnicode_InternFromString("is_cpu");
     t->s_get_device = PyUnicode_InternFromString("get_device");
-    t->s_requires_grad = PyUnicode_InternFromString("requires_grad");
     t->s_device = PyUnicode_InternFromString("device");
     t->s_cuda_stream = PyUnicode_InternFromString("cuda_stream");
-    t->s_layout = PyUnicode_InternFromString("layout");
-    t->s_is_nested = PyUnicode_InternFromString("is_nested");
+    for (auto [field, name] : {std::pair{&t->dtype, "dtype"}, {&t->is_cuda, "is_cuda"}, {&t->is_cpu, "is_cpu"},
+                               {&t->layout, "layout"}, {&t->is_nested, "is_nested"},
+                               {&t->requires_grad, "requires_grad"}})
+      *field = tensor_attr(t->tensor_type, t->parameter_type, name);
     return t;
   }();
   return *t;
@@ -136,6 +161,11 @@ bool truth(PyObject* o) {
 bool plain(PyObject* o, const Torch& t) {
   PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(o));
   return type == t.tensor_type || type == t.parameter_type;
+}
+
+// A new reference to o.<a>, or a thrown python_error.
+PyObject* get_attr(PyObject* o, const Attr& a, const Torch& t) {
+  return checked(a.get && plain(o, t) ? a.get(o, a.closure) : PyObject_GetAttr(o, a.name));
 }
 
 // Rows arguments ([T, H] tensors of the token rows) may come as [T, 1, H]: read as [T, H] through strides.
@@ -185,13 +215,13 @@ TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* n
   if (!PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type)))
     throw ArgumentError(std::string(op) + ": " + name + " must be a torch.Tensor, got " + Py_TYPE(o)->tp_name);
   {
-    Ref dtype(PyObject_GetAttr(o, t.s_dtype));
+    Ref dtype(get_attr(o, t.dtype, t));
     r.dtype = DType::other;
     for (const auto& [obj, code] : t.dtypes)
       if (obj == dtype.p) r.dtype = code;
   }
-  const bool is_cuda = truth(Ref(PyObject_GetAttr(o, t.s_is_cuda)).p);
-  if (!is_cuda && !truth(Ref(PyObject_GetAttr(o, t.s_is_cpu)).p)) {
+  const bool is_cuda = truth(Ref(get_attr(o, t.is_cuda, t)).p);
+  if (!is_cuda && !truth(Ref(get_attr(o, t.is_cpu, t)).p)) {
     Ref dev(PyObject_GetAttr(o, t.s_device));
     Ref text(PyObject_Str(dev.p));
     throw ArgumentError(std::string(op) + ": " + name + " is on " + PyUnicode_AsUTF8(text.p) +
@@ -199,13 +229,13 @@ TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* n
   }
   r.device = Device{is_cuda ? DeviceType::cuda : DeviceType::cpu, 0};
   {
-    Ref layout(PyObject_GetAttr(o, t.s_layout));
+    Ref layout(get_attr(o, t.layout, t));
     if (layout.p != t.strided) {
       Ref text(PyObject_Str(layout.p));
       throw ArgumentError(std::string(op) + ": " + name + " must be a dense strided tensor, got layout " +
                           PyUnicode_AsUTF8(text.p));
     }
-    if (truth(Ref(PyObject_GetAttr(o, t.s_is_nested)).p))
+    if (truth(Ref(get_attr(o, t.is_nested, t)).p))
       throw ArgumentError(std::string(op) + ": " + name + " must be a dense strided tensor, got a nested tensor");
   }
   if (exchange && read_exchange(o, t, r, rows, op, name)) return r;
@@ -320,7 +350,7 @@ void bind_call(nb::module_& m) {
           if (truth(Ref(PyObject_CallNoArgs(t.is_grad_enabled)).p)) {
             for (int i = 0; i < kNumSlots; ++i) {
               PyObject* o = tensors[i].ptr();
-              if (o != Py_None && truth(Ref(PyObject_GetAttr(o, t.s_requires_grad)).p)) return false;
+              if (o != Py_None && truth(Ref(get_attr(o, t.requires_grad, t)).p)) return false;
             }
           }
         }

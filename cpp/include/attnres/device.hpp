@@ -26,9 +26,11 @@ bool cuda_backend_built();
 // Number of CUDA devices visible (0 without the CUDA backend or without a GPU); never throws.
 int cuda_device_count();
 
-// Queries (and caches) the device's properties. For a CUDA device without the CUDA backend the result has
+// Queries (and caches) the device's properties: a CUDA device is queried once per process, and every later
+// call returns the cached properties without a lock (the call path asks on every launch). The reference stays
+// valid for the process's lifetime. For a CUDA device without the CUDA backend the result has
 // cuda_backend = false and the plan declines; an index out of range throws ArgumentError.
-DeviceInfo query_device(Device device);
+const DeviceInfo& query_device(Device device);
 
 // The properties of a GPU the plan depends on, without the GPU: "h100" (SXM, 132 SMs) or "h200" (132 SMs),
 // both compute capability 9.0 with 227 KB of opt-in shared memory per block, as cuda:0 of a build with the
