@@ -21,7 +21,6 @@ using namespace attnres;
 
 namespace {
 
-// torch's types and the attribute names, looked up once (torch is imported by the package before any call).
 // A tensor attribute: its interned name, and the C getter of torch's getset descriptor on torch.Tensor (which
 // torch.nn.Parameter inherits unchanged). For an object whose type is exactly one of those two, calling the
 // getter is what attribute lookup would do after finding that data descriptor, without the lookup.
@@ -31,6 +30,7 @@ struct Attr {
   void* closure = nullptr;
 };
 
+// torch's types and the attribute names, looked up once (torch is imported by the package before any call).
 struct Torch {
   PyObject* tensor_type = nullptr;
   PyObject* parameter_type = nullptr;
