@@ -1,7 +1,9 @@
 #include <atomic>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
+#include <utility>
 
 #include "attnres/device.hpp"
 #include "attnres/error.hpp"
@@ -30,42 +32,42 @@ DeviceInfo uncached_info(Device device, const char* name) {
   return info;
 }
 
+// The first answer for `device`, kept for the process's lifetime (so references to it stay valid).
+const DeviceInfo& kept(Device device, DeviceInfo info) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, int32_t>, std::unique_ptr<const DeviceInfo>> answers;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& slot = answers[{static_cast<int>(device.type), device.index}];
+  if (!slot) slot = std::make_unique<const DeviceInfo>(std::move(info));
+  return *slot;
+}
+
 }  // namespace
 
 const DeviceInfo& query_device(Device device) {
   if (device.type == DeviceType::cpu) {
-    static const DeviceInfo cpu0 = uncached_info(Device{DeviceType::cpu, 0}, "cpu");
-    if (device.index == 0) return cpu0;
-    thread_local DeviceInfo other;  // a CPU device named with another index: answered as asked
-    other = uncached_info(device, "cpu");
-    return other;
+    static const DeviceInfo& cpu0 = kept(Device{DeviceType::cpu, 0}, uncached_info(Device{DeviceType::cpu, 0}, "cpu"));
+    return device.index == 0 ? cpu0 : kept(device, uncached_info(device, "cpu"));
   }
 #if ATTNRES_WITH_CUDA
   // Device properties do not change during a process: each device is queried once, its answer published
-  // through an atomic pointer that later calls read without the lock.
+  // through an atomic pointer that later calls read without a lock.
   constexpr int kFastSlots = 64;
   static std::atomic<const DeviceInfo*> published[kFastSlots];
   const bool slotted = device.index >= 0 && device.index < kFastSlots;
   if (slotted)
     if (const DeviceInfo* info = published[device.index].load(std::memory_order_acquire)) return *info;
-  static std::mutex mutex;
-  static std::unordered_map<int, const DeviceInfo*> cache;  // kept for the process's lifetime
-  std::lock_guard<std::mutex> lock(mutex);
-  auto it = cache.find(device.index);
-  if (it != cache.end()) return *it->second;
   const int count = detail::cuda_device_count();
   if (device.index < 0 || device.index >= count)
     throw ArgumentError("attnres: " + device_name(device) + " does not exist (" + std::to_string(count) +
                         " CUDA devices visible)");
-  auto* info = new DeviceInfo(detail::cuda_query_device(device.index));
-  info->queried = true;
-  cache.emplace(device.index, info);
-  if (slotted) published[device.index].store(info, std::memory_order_release);
-  return *info;
+  DeviceInfo queried = detail::cuda_query_device(device.index);
+  queried.queried = true;
+  const DeviceInfo& info = kept(device, std::move(queried));
+  if (slotted) published[device.index].store(&info, std::memory_order_release);
+  return info;
 #else
-  thread_local DeviceInfo not_built;
-  not_built = uncached_info(device, "cuda (not built)");
-  return not_built;
+  return kept(device, uncached_info(device, "cuda (not built)"));
 #endif
 }
 

@@ -52,8 +52,7 @@ bool overlaps(const TensorRef& a, const TensorRef& b) {
   uintptr_t alo, ahi, blo, bhi;
   a.byte_range(alo, ahi);
   b.byte_range(blo, bhi);
-  if (alo == ahi || blo == bhi) return false;
-  return alo < bhi && blo < ahi;
+  return ranges_overlap(alo, ahi, blo, bhi);
 }
 
 TensorRef snapshot_rows(const TensorRef& bank, int64_t slot) {

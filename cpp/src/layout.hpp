@@ -1,6 +1,8 @@
 // Layout helpers shared by validation and the backends.
 #pragma once
 
+#include <cstdint>
+
 #include "attnres/tensor.hpp"
 
 namespace attnres::detail {
@@ -14,6 +16,12 @@ bool byte_extent(const TensorRef& t, int64_t& bytes);
 // stride, each stride at least the extent of the smaller ones). Assumes non-negative strides. A view whose
 // extent overflows (byte_extent false) overlaps: its wrapped addresses coincide.
 bool non_overlapping(const TensorRef& t);
+
+// True when two byte ranges [lo, hi) intersect; an empty range ({0, 0}, TensorRef::byte_range of an empty view)
+// intersects nothing.
+inline bool ranges_overlap(uintptr_t alo, uintptr_t ahi, uintptr_t blo, uintptr_t bhi) {
+  return alo != ahi && blo != bhi && alo < bhi && blo < ahi;
+}
 
 // True when the byte ranges the two views can touch intersect (conservative for interleaved views).
 bool overlaps(const TensorRef& a, const TensorRef& b);

@@ -275,9 +275,7 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
     if (written[i].ref->present()) written[i].ref->byte_range(written[i].lo, written[i].hi);
   for (Span& t : read)
     if (t.ref->present()) t.ref->byte_range(t.lo, t.hi);
-  const auto overlap = [](const Span& x, const Span& y) {
-    return x.lo != x.hi && y.lo != y.hi && x.lo < y.hi && y.lo < x.hi;
-  };
+  const auto overlap = [](const Span& x, const Span& y) { return detail::ranges_overlap(x.lo, x.hi, y.lo, y.hi); };
   for (size_t i = 0; i < num_written; ++i) {
     const Span& w = written[i];
     if (!w.ref->present()) continue;
