@@ -34,6 +34,8 @@ _empty_like = torch.empty_like
 _call = _C.attn_res_call
 _OP = _C.AttnResOp
 _NOT_SNAPSHOT = _C.NOT_SNAPSHOT
+# The op codes of the fast paths, looked up once.
+_ATTN_RES, _RMSNORM, _ADD_RMSNORM = _OP.attn_res, _OP.attn_res_rmsnorm, _OP.attn_res_add_rmsnorm
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,7 +191,7 @@ def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: fl
                 mixture = _empty_like(layer_residual)
             if updated is None and layer_residual_add is not None:
                 updated = _empty_like(layer_residual)
-            if _call(_OP.attn_res, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
+            if _call(_ATTN_RES, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
                                     res_weight, rms_weight, None, mixture, updated, None, None, None, None, None,
                                     None),
                      rms_eps, 1e-5, -1, _NOT_SNAPSHOT, None, False, _DEFAULT_C, True):
@@ -218,7 +220,7 @@ def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, nor
     if out is None and snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
             type(layer_residual) is Tensor and not _is_compiling():
         output = _empty_like(layer_residual)
-        if _call(_OP.attn_res_rmsnorm, (layer_residual, None, None, block_residual, res_weight, rms_weight,
+        if _call(_RMSNORM, (layer_residual, None, None, block_residual, res_weight, rms_weight,
                                         norm_weight, output, None, None, None, None, None, None, None),
                  rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
             return output
@@ -239,14 +241,14 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
     block_residual's storage. out=(layer_residual, None) updates the prefix in place."""
     if snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
             type(layer_residual) is Tensor and not _is_compiling():
-        given = _given_pair(out, True)
+        given = (None, None) if out is None else _given_pair(out, True)
         if given is not None:
             updated, output = given
             if updated is None:
                 updated = _empty_like(layer_residual)
             if output is None:
                 output = _empty_like(layer_residual)
-            if _call(_OP.attn_res_add_rmsnorm, (layer_residual, layer_residual_add, layer_residual_add2,
+            if _call(_ADD_RMSNORM, (layer_residual, layer_residual_add, layer_residual_add2,
                                                 block_residual, res_weight, rms_weight, norm_weight, output, updated,
                                                 None, None, None, None, None, None),
                      rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):

@@ -187,31 +187,49 @@ void set_dims(TensorRef& r, Py_ssize_t ndim, bool rows, const char* op, const ch
   }
 }
 
-// Pointer, shape, strides and device index through torch's DLPack exchange table; false (nothing read) where it
-// cannot answer. The table reads dense strided CPU and CUDA tensors only (torch dereferences any other layout,
-// a nested or a meta tensor without checking): read_tensor has screened the device and the layout.
+// The library's dtype of a DLPack dtype, for the dtypes the kernels take (torch's codes: DLConvertor's
+// getDLDataType); other for the rest, which the attribute read names in its error.
+DType dl_dtype(const dlpack_exchange::DLTensor& d) {
+  if (d.dtype.lanes != 1) return DType::other;
+  const auto code = static_cast<uint8_t>(d.dtype.code);
+  const uint8_t bits = d.dtype.bits;
+  if (code == dlpack_exchange::kDLBfloat && bits == 16) return DType::bf16;
+  if (code == dlpack_exchange::kDLFloat && bits == 32) return DType::f32;
+  if (code == dlpack_exchange::kDLFloat8_e4m3fn && bits == 8) return DType::e4m3;
+  return DType::other;
+}
+
+// A dense strided CPU or CUDA tensor of a kernel dtype through torch's DLPack exchange table: one C call, no torch
+// attribute read. False (nothing read) for anything else: torch's table refuses (returns -1 with a Python error,
+// cleared here) another layout, a nested, quantized or meta tensor and a tensor without storage; another device
+// or dtype is left to the attribute read, which names what is wrong.
 bool read_exchange(PyObject* o, const Torch& t, TensorRef& r, bool rows, const char* op, const char* name) {
-  if (!t.exchange || r.dtype == DType::other || !plain(o, t)) return false;
+  if (!t.exchange || !plain(o, t)) return false;
   dlpack_exchange::DLTensor d;
   if (t.exchange->dltensor_from_py_object_no_sync(o, &d) != 0) {
-    PyErr_Clear();  // the attribute path reads it, or names what is wrong
+    PyErr_Clear();
     return false;
   }
-  const bool cuda = r.device.type == DeviceType::cuda;
-  if (d.device.device_type != (cuda ? dlpack_exchange::kDLCUDA : dlpack_exchange::kDLCPU) || d.ndim < 0 ||
-      (d.ndim > 0 && (d.shape == nullptr || d.strides == nullptr)))
+  const int32_t type = d.device.device_type;
+  const DType dtype = dl_dtype(d);
+  if ((type != dlpack_exchange::kDLCUDA && type != dlpack_exchange::kDLCPU) || dtype == DType::other ||
+      d.ndim < 0 || (d.ndim > 0 && (d.shape == nullptr || d.strides == nullptr)))
     return false;
   set_dims(r, d.ndim, rows, op, name, [&](Py_ssize_t i) { return d.shape[i]; },
            [&](Py_ssize_t i) { return d.strides[i]; });
+  r.dtype = dtype;
+  r.device = type == dlpack_exchange::kDLCUDA ? Device{DeviceType::cuda, d.device.device_id} : Device{DeviceType::cpu, 0};
   r.data = static_cast<char*>(d.data) + d.byte_offset;
-  if (cuda) r.device.index = d.device.device_id;
   return true;
 }
 
+// A tensor argument: through the exchange table when `exchange` and it can answer, else through torch's Python
+// attributes after screening the type, device and layout (a clear ArgumentError for what the library cannot read).
 TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* name, bool rows,
                       bool exchange = true) {
   TensorRef r;
   if (o == Py_None) return r;
+  if (exchange && read_exchange(o, t, r, rows, op, name)) return r;
   if (!PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type)))
     throw ArgumentError(std::string(op) + ": " + name + " must be a torch.Tensor, got " + Py_TYPE(o)->tp_name);
   {
@@ -238,7 +256,6 @@ TensorRef read_tensor(PyObject* o, const Torch& t, const char* op, const char* n
     if (truth(Ref(get_attr(o, t.is_nested, t)).p))
       throw ArgumentError(std::string(op) + ": " + name + " must be a dense strided tensor, got a nested tensor");
   }
-  if (exchange && read_exchange(o, t, r, rows, op, name)) return r;
   if (is_cuda) r.device.index = static_cast<int32_t>(as_int(Ref(PyObject_CallMethodNoArgs(o, t.s_get_device)).p));
   Ref shape(PyObject_GetAttr(o, t.s_shape));
   Ref stride(PyObject_CallMethodNoArgs(o, t.s_stride));

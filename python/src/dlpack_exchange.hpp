@@ -18,6 +18,10 @@ constexpr const char* kCapsuleName = "dlpack_exchange_api";
 constexpr uint32_t kMajorVersion = 1;
 constexpr int32_t kDLCPU = 1;
 constexpr int32_t kDLCUDA = 2;
+// DLDataTypeCode values.
+constexpr uint8_t kDLFloat = 2;
+constexpr uint8_t kDLBfloat = 4;
+constexpr uint8_t kDLFloat8_e4m3fn = 10;
 
 struct Version {
   uint32_t major;
@@ -34,8 +38,8 @@ struct Api {
   void* managed_tensor_allocator;
   void* managed_tensor_from_py_object_no_sync;
   void* managed_tensor_to_py_object_no_sync;
-  // 0 on success; -1 with a Python exception set. Valid only for a dense, strided tensor on a device DLPack
-  // names: torch dereferences other layouts and devices without checking (the caller screens them first).
+  // 0 on success; -1 with a Python exception set where the tensor has no DLPack description (torch: another
+  // layout, a nested, quantized or meta tensor, one without storage). Called with the GIL held.
   int (*dltensor_from_py_object_no_sync)(void* py_object, DLTensor* out);
   int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_current_stream);
 };

@@ -1,8 +1,8 @@
 """How the call path reads a torch tensor (python/src/bind_call.cpp): through torch's DLPack exchange table where
 torch publishes one, else through the tensor's Python attributes. Both reads must describe every view the same
 way (pointer, dtype, device, shape, strides, the [T, 1, H] rows squeeze), and a tensor the exchange table cannot
-describe (another layout, nested, quantized, meta: torch's table dereferences them unchecked) must be refused
-with the library's error before the table is asked, by the reader and by every public op."""
+describe (another layout, nested, quantized, meta: torch's table refuses them) must be refused with the library's
+error, by the reader and by every public op."""
 
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ def test_exotic_tensors_are_refused_by_the_reader(kind, exchange):
         _C._read_tensor(t, False, exchange)
 
 
-def test_a_quantized_tensor_reads_without_the_table_and_is_refused_by_dtype():
+def test_a_quantized_tensor_is_read_through_its_attributes_and_refused_by_dtype():
     q = torch.quantize_per_tensor(torch.randn(2, 64), 0.1, 0, torch.qint8)
-    r = _C._read_tensor(q, False, True)  # an unknown dtype never reaches the table
+    r = _C._read_tensor(q, False, True)  # the table refuses it; the attribute read names its dtype
     assert r.dtype == _C.DType.other and r.shape == [2, 64]
     bank = torch.randn(1, 2, 64).to(torch.bfloat16)
     w = torch.ones(64, dtype=torch.bfloat16)

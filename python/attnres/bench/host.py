@@ -2,7 +2,7 @@
 pays per call on the CPU, 187 times per decode step of Kimi K3.
 
 Calls are issued back to back without synchronisation and timed on the host (time.perf_counter over many
-calls, median of rounds), so the figure is the Python + dispatch + validation + plan + launch cost, not the
+calls, median of interleaved rounds), so the figure is the Python + dispatch + validation + plan + launch cost, not the
 kernel's. The two references come from the same run: an eager PyTorch add and rms_norm (two ops), and
 torch.empty_like (one allocation). On the CPU backend the figure includes the op's computation (tiny shapes).
 """
@@ -20,18 +20,11 @@ T, K, H = 1, 8, 7168  # T = 1, N = 9, Kimi K3 width
 TARGET_US = 15.0
 
 
-def _per_call_us(fn, calls: int, rounds: int, sync) -> float:
-    for _ in range(max(calls // 10, 10)):
+def _round_us(fn, calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
-    sync()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-        sync()  # between rounds only: the queue must not fill
-    return statistics.median(times)
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def cases(device: str, hidden: int = H) -> dict:
@@ -58,15 +51,23 @@ def cases(device: str, hidden: int = H) -> dict:
 
 
 def run(device: str = "cuda", calls: int = 2000, rounds: int = 7, progress=None) -> list[dict]:
+    """Each case's median over `rounds` rounds of `calls` calls; the rounds of the cases interleave (one round of
+    every case, then the next), so a change in the host's speed during the run reaches every case alike."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    records = []
     items = list(cases(device).items())
-    for i, (name, fn) in enumerate(items):
+    for _, fn in items:
+        for _ in range(max(calls // 10, 10)):
+            fn()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name, _ in items}
+    for r in range(rounds):
         if progress:
-            progress(i, len(items), name)
-        records.append({"suite": "host", "case": name, "device": device, "T": T, "N": K + 1, "H": H,
-                        "host_us": _per_call_us(fn, calls, rounds, sync)})
-    return records
+            progress(r, rounds, f"round {r + 1}")
+        for name, fn in items:
+            times[name].append(_round_us(fn, calls))
+            sync()  # between rounds only: the queue must not fill
+    return [{"suite": "host", "case": name, "device": device, "T": T, "N": K + 1, "H": H,
+             "host_us": statistics.median(times[name])} for name, _ in items]
 
 
 def summary(records: list[dict]) -> list[str]:
