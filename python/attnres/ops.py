@@ -192,8 +192,7 @@ def attn_res(layer_residual, block_residual, res_weight, rms_weight, rms_eps: fl
             if updated is None and layer_residual_add is not None:
                 updated = _empty_like(layer_residual)
             if _call(_ATTN_RES, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
-                                    res_weight, rms_weight, None, mixture, updated, None, None, None, None, None,
-                                    None),
+                                 res_weight, rms_weight, None, mixture, updated, None, None, None, None, None, None),
                      rms_eps, 1e-5, -1, _NOT_SNAPSHOT, None, False, _DEFAULT_C, True):
                 if out is not None:
                     bump_versions((mixture,) if updated is None else (updated, mixture))
@@ -220,8 +219,8 @@ def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, nor
     if out is None and snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
             type(layer_residual) is Tensor and not _is_compiling():
         output = _empty_like(layer_residual)
-        if _call(_RMSNORM, (layer_residual, None, None, block_residual, res_weight, rms_weight,
-                                        norm_weight, output, None, None, None, None, None, None, None),
+        if _call(_RMSNORM, (layer_residual, None, None, block_residual, res_weight, rms_weight, norm_weight,
+                            output, None, None, None, None, None, None, None),
                  rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
             return output
     produced = ("output",) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
@@ -248,9 +247,9 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
                 updated = _empty_like(layer_residual)
             if output is None:
                 output = _empty_like(layer_residual)
-            if _call(_ADD_RMSNORM, (layer_residual, layer_residual_add, layer_residual_add2,
-                                                block_residual, res_weight, rms_weight, norm_weight, output, updated,
-                                                None, None, None, None, None, None),
+            if _call(_ADD_RMSNORM, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
+                                    res_weight, rms_weight, norm_weight, output, updated, None, None, None, None,
+                                    None, None),
                      rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
                 if out is not None:
                     bump_versions((updated, output))

@@ -218,7 +218,8 @@ bool read_exchange(PyObject* o, const Torch& t, TensorRef& r, bool rows, const c
   set_dims(r, d.ndim, rows, op, name, [&](Py_ssize_t i) { return d.shape[i]; },
            [&](Py_ssize_t i) { return d.strides[i]; });
   r.dtype = dtype;
-  r.device = type == dlpack_exchange::kDLCUDA ? Device{DeviceType::cuda, d.device.device_id} : Device{DeviceType::cpu, 0};
+  r.device = type == dlpack_exchange::kDLCUDA ? Device{DeviceType::cuda, d.device.device_id}
+                                               : Device{DeviceType::cpu, 0};
   r.data = static_cast<char*>(d.data) + d.byte_offset;
   return true;
 }

@@ -56,8 +56,7 @@ def run(device: str = "cuda", calls: int = 2000, rounds: int = 7, progress=None)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     items = list(cases(device).items())
     for _, fn in items:
-        for _ in range(max(calls // 10, 10)):
-            fn()
+        _round_us(fn, max(calls // 10, 10))  # warm-up
     sync()
     times: dict[str, list[float]] = {name: [] for name, _ in items}
     for r in range(rounds):
