@@ -145,7 +145,11 @@ def moe_finalize_all_reduce(comm, rows: Tensor, weights: Tensor, index: Tensor, 
                              else RefusedArguments(), op)
         raise
     gathered = None
-    if comm.device.type == "cpu":
+    if comm.device.type != "cpu":
+        comm.check_open(op)
+        if weights.dim() == 2:  # else the library names the rank rule
+            comm.check_resident(op, weights.shape[0])
+    else:
         # The CPU backend reduces gathered partials: each rank's is moe_finalize without the norm.
         from .moe import moe_finalize
 

@@ -232,15 +232,21 @@ def test_finalize_all_reduce_gate_takes_the_finalize_plans_limits():
 
 # ------------------------------------------------------------------------------------------ residency on one GPU
 def test_in_process_residency_limit():
-    fused = "all_reduce_attn_res_add_rmsnorm"
-    assert max_tokens(fused, 2, 7168, 132) == 37 and max_tokens(fused, 4, 7168, 132) == 18
-    assert max_tokens("all_reduce", 4, 7168, 132) == 37
+    fused, moe = "all_reduce_attn_res_add_rmsnorm", "moe_finalize_all_reduce"
+    assert max_tokens(fused, 2, 7168, "h200") == 37 and max_tokens(fused, 4, 7168, "h200") == 18
+    assert max_tokens("all_reduce", 4, 7168, "h200") == 37
+    # moe_finalize_all_reduce: one block of its plan's 448 threads per token, two such blocks per SM's budget.
+    assert [max_tokens(moe, w, 7168, "h200") for w in (2, 4, 8)] == [132, 66, 33]
     check_resident(fused, 2, 32, 7168, "h200")  # measured to progress on the H200
     check_resident("all_reduce", 4, 32, 7168, "h200")
     with pytest.raises(attnres.UnsupportedError, match=r"4 ranks on one GPU \(132 SMs\) takes at most T = 18 at "
                                                        r"width 7168.*got T = 32"):
         check_resident(fused, 4, 32, 7168, "h200")  # measured to stall until the bounded wait expired
-    check_resident("moe_finalize_all_reduce", 8, 10 ** 6, 7168, "h200")  # one kernel: not limited here
+    with pytest.raises(attnres.UnsupportedError, match=r"moe_finalize_all_reduce: an InProcessWorld of 8 ranks .* "
+                                                       r"takes at most T = 33 .*1 block\(s\) of 448 threads"):
+        check_resident(moe, 8, 34, 7168, "h200")
+    check_resident(moe, 8, 33, 7168, "h200")
+    check_resident("moe_finalize", 8, 10 ** 6, 7168, "h200")  # no exchange: not limited
 
 
 @requires_cuda
@@ -252,7 +258,7 @@ def test_in_process_cuda_world_refuses_what_cannot_be_resident():
 
     W, T, H, N = 4, 32, 7168, 9
     fused = "all_reduce_attn_res_add_rmsnorm"
-    limit = max_tokens(fused, W, H, torch.cuda.get_device_properties(0).multi_processor_count)
+    limit = max_tokens(fused, W, H, "cuda")
     assert 1 <= limit < T
     world = InProcessWorld(W, T, H, device="cuda", timeout_s=10.0)
     g = torch.Generator().manual_seed(0)
@@ -272,6 +278,45 @@ def test_in_process_cuda_world_refuses_what_cannot_be_resident():
     torch.cuda.synchronize()
     world.check()
     assert all(torch.equal(o[0], out[0][0]) for o in out)
+    world.close()
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_in_process_cuda_world_refuses_moe_finalize_that_cannot_be_resident():
+    """moe_finalize_all_reduce (one block per token) at W = 8: one token past the limit is refused at once, nothing
+    launched; the limit itself completes within the bounded wait, every rank holding the same reduced bits."""
+    W, k, D = 8, 8, 7168
+    limit = max_tokens("moe_finalize_all_reduce", W, D, "cuda")
+    assert limit >= 1
+    g = torch.Generator().manual_seed(4)
+
+    def pieces(T):  # rank r owns route r of every token
+        weights = torch.softmax(torch.randn(T, k, generator=g), -1).cuda()
+        out = []
+        for r in range(W):
+            index = torch.full((T, k), -1, dtype=torch.int32)
+            index[:, r] = torch.arange(T, dtype=torch.int32)
+            out.append((torch.randn(T, D, generator=g).to(BF16).cuda(), weights, index.cuda()))
+        return out
+
+    norm_w = (1 + 0.1 * torch.randn(D, generator=g)).to(BF16).cuda()
+    world = InProcessWorld(W, limit + 1, D, device="cuda", timeout_s=10.0)
+
+    def call(c, piece):
+        return attnres.moe_finalize_all_reduce(c, *piece, norm_w, eps=1e-5)
+
+    t0 = time.monotonic()
+    with pytest.raises(attnres.UnsupportedError, match=f"takes at most T = {limit} at width {D}"):
+        world.run(call, pieces(limit + 1))
+    assert time.monotonic() - t0 < 5.0
+    assert all(c.generation() == 0 for c in world.comms)  # nothing launched
+    t0 = time.monotonic()
+    out = world.run(call, pieces(limit))
+    torch.cuda.synchronize()
+    assert time.monotonic() - t0 < 8.0, "the ranks at the limit ran into the bounded wait"
+    world.check()
+    assert all(torch.equal(o[0], out[0][0]) and torch.equal(o[1], out[0][1]) for o in out)
     world.close()
 
 

@@ -167,8 +167,8 @@ class Communicator:
         world's residency check."""
         self.check_open(op)
         if self.device.type != "cpu":
-            if self._world is not None and isinstance(partial, Tensor) and partial.dim() == 2:
-                check_resident(op, self.world_size, partial.shape[0], self.width, self.device)
+            if isinstance(partial, Tensor) and partial.dim() == 2:
+                self.check_resident(op, partial.shape[0])
             return None
         if self._exchange is None:
             raise CommunicatorError(f"{op}: an in-process CPU rank cannot reduce alone; call its InProcessWorld")
@@ -177,6 +177,12 @@ class Communicator:
             # on the refusal (exchange.check_agreement names what each rank passed).
             return self._exchange_now(op, partial)
         return torch.ops.attnres_tp.cpu_exchange(partial, self.handle, op)
+
+    def check_resident(self, op: str, tokens: int) -> None:
+        """An in-process CUDA world: UnsupportedError, before anything is launched, when its W ranks of `op` at
+        T = tokens cannot all be resident on the one GPU (residency.py). Other communicators: nothing."""
+        if self._world is not None and self.device.type == "cuda":
+            check_resident(op, self.world_size, tokens, self.width, self.device)
 
     def _exchange_now(self, op: str, partial: Tensor) -> Tensor:
         """The exchange itself (the cpu_exchange op's kernel): a failure part-way makes the communicator unusable."""

@@ -5,14 +5,16 @@ partial arrives: a rank whose blocks cannot become resident (the SMs already hol
 under PDL the blocks of each rank's next kernel, waiting) never writes its partial, and every rank waits out its
 bounded wait. Such a call is refused before anything is launched (UnsupportedError naming the limit).
 
-The demand of one call, in threads: each rank's exchange is one thread per 16-byte vector of a token, in blocks
+The demand of one call, in blocks: each rank's exchange is one thread per 16-byte vector of a token, in blocks
 of the plan's 128 threads (`blocks_per_token` blocks per token); the fused attention site launches its epilogue
 under PDL with the same per-token shape (H / 8 threads per token: the split-K cluster's blocks at H = 7168), so
-it holds twice the exchange's threads. The budget: `sm_count` x RESIDENT_THREADS_PER_SM. Hopper keeps at most
-2048 threads resident per SM, but the spinning exchange and the epilogue's clusters are held back by registers
-and cluster placement before that: on the H200, W = 2 at T = 32 (869 threads per SM) progresses at every site
-and the plain all-reduce at W = 4, T = 32 (869) too, while the fused site at W = 4, T = 32 (1737) stalled. The
-budget is set between them. Ranks on separate GPUs, or in separate processes, are not limited by this.
+it holds twice the exchange's blocks; `moe_finalize_all_reduce` is one block per token of its plan's threads
+(448 at D = 7168). The budget: `sm_count` x the blocks of that size that fit RESIDENT_THREADS_PER_SM. Hopper
+keeps at most 2048 threads resident per SM, but the spinning exchange and the epilogue's clusters are held back
+by registers and cluster placement before that: on the H200, W = 2 at T = 32 (869 threads per SM) progresses at
+every site and the plain all-reduce at W = 4, T = 32 (869) too, while the fused site at W = 4, T = 32 (1737)
+stalled. The budget is set between them. Ranks on separate GPUs, or in separate processes, are not limited by
+this.
 """
 
 from __future__ import annotations
@@ -22,32 +24,49 @@ from .. import _C
 RESIDENT_THREADS_PER_SM = 1024
 EXCHANGE_THREADS = 128  # the one-shot kernel's block (cpp/src/all_reduce_run.cpp, kThreads)
 VECTOR_ELEMENTS = 8  # bf16 elements per 16-byte vector, one per thread
-# The ops whose CUDA grids hold their blocks resident beside the exchange, and how many exchange-shaped grids
-# each rank holds: the all-reduce alone; the fused site's exchange and its PDL-launched epilogue.
+# The ops whose exchanging grids hold their blocks resident, and how many exchange-shaped grids each rank holds:
+# the all-reduce alone; the fused site's exchange and its PDL-launched epilogue. moe_finalize_all_reduce's one
+# grid has its own block (_grid).
 GRIDS = {"all_reduce": 1, "all_reduce_attn_res_add_rmsnorm": 2}
+MOE = "moe_finalize_all_reduce"
 
 
-def threads_per_token(op: str, width: int) -> int:
+def _grid(op: str, width: int, info) -> tuple[int, int]:
+    """(threads per block, blocks per token) a rank of `op` holds resident at width D."""
+    if op == MOE:
+        q = _C.MoeFinalizeQuery()
+        q.tokens, q.routes, q.hidden = 1, 1, width
+        q.rows_dtype, q.weights_dtype = _C.DType.bf16, _C.DType.f32
+        plan = _C.moe_finalize_plan_query(q, info, _C.MoeFinalizeOptions())
+        return (plan.threads, 1) if plan.accepted else (EXCHANGE_THREADS, 0)
     blocks = -(-(width // VECTOR_ELEMENTS) // EXCHANGE_THREADS)
-    return GRIDS[op] * blocks * EXCHANGE_THREADS
+    return EXCHANGE_THREADS, GRIDS[op] * blocks
 
 
-def max_tokens(op: str, world_size: int, width: int, sm_count: int) -> int:
-    """The largest T whose W ranks fit the budget at once (0: not even T = 1)."""
-    return sm_count * RESIDENT_THREADS_PER_SM // (world_size * threads_per_token(op, width))
+def max_tokens(op: str, world_size: int, width: int, device) -> int:
+    """The largest T whose W ranks fit the budget at once (0: not even T = 1) on `device` (a torch device or a
+    described GPU, attnres.planning.device_info)."""
+    from ..planning import device_info
+
+    info = device_info(device)
+    threads, per_token = _grid(op, width, info)
+    if per_token == 0:
+        return 0
+    return info.sm_count * (RESIDENT_THREADS_PER_SM // threads) // (world_size * per_token)
 
 
 def check_resident(op: str, world_size: int, tokens: int, width: int, device) -> None:
     """UnsupportedError when W ranks of `op` at T = tokens cannot all be resident on `device` at once."""
-    if op not in GRIDS:
+    if op not in GRIDS and op != MOE:
         return
     from ..planning import device_info
 
-    sm_count = device_info(device).sm_count
-    limit = max_tokens(op, world_size, width, sm_count)
+    info = device_info(device)
+    limit = max_tokens(op, world_size, width, info)
     if tokens > limit:
+        threads, per_token = _grid(op, width, info)
         raise _C.UnsupportedError(
-            f"{op}: an InProcessWorld of {world_size} ranks on one GPU ({sm_count} SMs) takes at most T = {limit} at "
-            f"width {width} (every rank's blocks must be resident at once: {world_size} x "
-            f"{threads_per_token(op, width)} threads per token within {RESIDENT_THREADS_PER_SM} per SM); got T = "
+            f"{op}: an InProcessWorld of {world_size} ranks on one GPU ({info.sm_count} SMs) takes at most T = "
+            f"{limit} at width {width} (every rank's blocks must be resident at once: {world_size} x {per_token} "
+            f"block(s) of {threads} threads per token within {RESIDENT_THREADS_PER_SM} threads per SM); got T = "
             f"{tokens}. Use fewer ranks, fewer tokens per call, or ranks on separate GPUs (docs/tp.md)")
