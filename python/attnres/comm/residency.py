@@ -9,7 +9,10 @@ The demand of one call, in blocks: each rank's exchange is one thread per 16-byt
 of the plan's 128 threads (`blocks_per_token` blocks per token); the fused attention site launches its epilogue
 under PDL with the same per-token shape (H / 8 threads per token: the split-K cluster's blocks at H = 7168), so
 it holds twice the exchange's blocks; `moe_finalize_all_reduce` is one block per token of its plan's threads
-(448 at D = 7168). The budget: `sm_count` x the blocks of that size that fit RESIDENT_THREADS_PER_SM. Hopper
+(448 at D = 7168), and its kernel's launch bounds (512 threads) let it hold up to 128 registers per thread, so an
+SM is only sure to hold 65536 / (128 x threads) of its blocks (one at D = 7168: W = 8 at T = 33, two blocks per
+SM by threads alone, stalled on the H100). The budget: `sm_count` x the blocks of that size that fit
+RESIDENT_THREADS_PER_SM (and, for moe_finalize_all_reduce, the register file). Hopper
 keeps at most 2048 threads resident per SM, but the spinning exchange and the epilogue's clusters are held back
 by registers and cluster placement before that: on the H200, W = 2 at T = 32 (869 threads per SM) progresses at
 every site and the plain all-reduce at W = 4, T = 32 (869) too, while the fused site at W = 4, T = 32 (1737)
@@ -29,6 +32,10 @@ VECTOR_ELEMENTS = 8  # bf16 elements per 16-byte vector, one per thread
 # grid has its own block (_grid).
 GRIDS = {"all_reduce": 1, "all_reduce_attn_res_add_rmsnorm": 2}
 MOE = "moe_finalize_all_reduce"
+REGISTERS_PER_SM = 65536  # sm_90's register file, 32-bit registers
+# The most registers per thread moe_finalize_all_reduce's kernel may take: its __launch_bounds__(512) caps it at
+# 65536 / 512 (cpp/src/cuda/moe_finalize_all_reduce_kernel.cu, kMaxThreads).
+MOE_REGISTERS_PER_THREAD = REGISTERS_PER_SM // 512
 
 
 def _grid(op: str, width: int, info) -> tuple[int, int]:
@@ -52,7 +59,15 @@ def max_tokens(op: str, world_size: int, width: int, device) -> int:
     threads, per_token = _grid(op, width, info)
     if per_token == 0:
         return 0
-    return info.sm_count * (RESIDENT_THREADS_PER_SM // threads) // (world_size * per_token)
+    return info.sm_count * blocks_per_sm(op, threads) // (world_size * per_token)
+
+
+def blocks_per_sm(op: str, threads: int) -> int:
+    """The blocks of `threads` threads of `op` one SM is sure to hold at once, within the budget."""
+    blocks = RESIDENT_THREADS_PER_SM // threads
+    if op == MOE:
+        blocks = min(blocks, REGISTERS_PER_SM // (MOE_REGISTERS_PER_THREAD * threads))
+    return blocks
 
 
 def check_resident(op: str, world_size: int, tokens: int, width: int, device) -> None:
@@ -68,5 +83,5 @@ def check_resident(op: str, world_size: int, tokens: int, width: int, device) ->
         raise _C.UnsupportedError(
             f"{op}: an InProcessWorld of {world_size} ranks on one GPU ({info.sm_count} SMs) takes at most T = "
             f"{limit} at width {width} (every rank's blocks must be resident at once: {world_size} x {per_token} "
-            f"block(s) of {threads} threads per token within {RESIDENT_THREADS_PER_SM} threads per SM); got T = "
+            f"block(s) of {threads} threads per token, at most {blocks_per_sm(op, threads)} per SM); got T = "
             f"{tokens}. Use fewer ranks, fewer tokens per call, or ranks on separate GPUs (docs/tp.md)")
