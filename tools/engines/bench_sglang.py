@@ -3,8 +3,8 @@
 plugin consults (python/attnres/integrations/sglang_table.json; docs/integrations.md).
 
 SGLang's own code runs: sglang/srt/layers/attn_residual.py and sglang/srt/plugins/hook_registry.py are taken from
-an unpacked SGLang wheel (--sglang-src, carried to the GPU machine; tools/engines/sglang_carry.sh copies the two
-files). The modules attn_residual imports that need SGLang's compiled dependencies are replaced by minimal
+an unpacked SGLang wheel (--sglang-src, carried to the GPU machine; tools/engines/sglang_carry.sh copies
+them). The modules attn_residual imports that need SGLang's compiled dependencies are replaced by minimal
 stand-ins generated here into an ignored folder: RMSNorm (its CUDA forward is one fused kernel, sgl_kernel's
 rmsnorm; the stand-in is one Triton kernel of the same arithmetic), ReplicatedLinear (a weight), utils
 (is_cuda/is_hip/is_npu). The plugin is registered and applied through SGLang's real HookRegistry.
@@ -105,18 +105,20 @@ class RMSNorm(torch.nn.Module):
 }
 
 
-def prepare(src: Path) -> Path:
-    """The runtime tree: SGLang's two files copied, the stand-ins written. Returns its root."""
-    missing = [rel for rel in COPIED if not (src / rel).is_file()]
+def prepare(src: Path, root: Path = RUNTIME, standins: dict = STANDINS, copied: tuple = COPIED) -> Path:
+    """The runtime tree: SGLang's files copied, the stand-ins written. Returns its root.
+    tools/engines/sglang_pytest_plugin.py builds its own tree (more files) in another folder this way."""
+    missing = [rel for rel in copied if not (src / rel).is_file()]
     if missing:
         sys.exit(f"bench_sglang: {src} lacks {missing} (run tools/engines/sglang_carry.sh and carry its folder)")
-    shutil.rmtree(RUNTIME, ignore_errors=True)
-    for rel, text in STANDINS.items():
-        (RUNTIME / rel).parent.mkdir(parents=True, exist_ok=True)
-        (RUNTIME / rel).write_text(text)
-    for rel in COPIED:
-        shutil.copy(src / rel, RUNTIME / rel)
-    return RUNTIME
+    shutil.rmtree(root, ignore_errors=True)
+    for rel, text in standins.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    for rel in copied:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src / rel, root / rel)
+    return root
 
 
 class _Open:

@@ -1,14 +1,49 @@
 #!/usr/bin/env bash
-# Copies the two SGLang files tools/engines/bench_sglang.py runs (attn_residual.py and the plugin hook registry)
-# from an unpacked SGLang wheel into build/engines/sglang_ref (ignored), to copy to the GPU machine with the tree.
-# Usage: tools/engines/sglang_carry.sh UNPACKED_WHEEL_ROOT   (e.g. unzip sglang-0.5.23-*.whl -d sglang_wheel)
+# Copies what the SGLang tools run into ignored folders under build/engines, to copy to the GPU machine with the tree.
+#
+#   tools/engines/sglang_carry.sh WHEEL_OR_UNPACKED_ROOT   (sglang-0.5.23-*.whl, or the folder it was unzipped to)
+#       SGLang's files that tools/engines/bench_sglang.py and test_sglang.sh import (attn_residual.py, the plugin
+#       hook registry, the CI-registration markers SGLang's tests call) -> build/engines/sglang_ref
+#   tools/engines/sglang_carry.sh --tests FILE...
+#       SGLang's own test files (they are in SGLang's repository, not in its wheel) -> build/engines/sglang_tests
+#   tools/engines/sglang_carry.sh --tests-git GIT_DIR REV PATH...
+#       the same, read from a git clone or mirror of sgl-project/sglang at REV
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-src=${1:?usage: tools/engines/sglang_carry.sh UNPACKED_WHEEL_ROOT}
-dst=build/engines/sglang_ref
-for rel in sglang/srt/layers/attn_residual.py sglang/srt/plugins/hook_registry.py; do
-  [ -f "$src/$rel" ] || { echo "sglang_carry: $src/$rel not found"; exit 1; }
-  mkdir -p "$dst/$(dirname "$rel")"
-  cp "$src/$rel" "$dst/$rel"
-done
-du -sh "$dst"
+usage="usage: tools/engines/sglang_carry.sh WHEEL_OR_UNPACKED_ROOT | --tests FILE... | --tests-git GIT_DIR REV PATH..."
+case "${1:?$usage}" in
+  --tests | --tests-git)
+    mode=$1; shift
+    dst=build/engines/sglang_tests
+    mkdir -p "$dst"
+    if [ "$mode" = --tests-git ]; then
+      git_dir=${1:?--tests-git GIT_DIR REV PATH...}; rev=${2:?--tests-git GIT_DIR REV PATH...}; shift 2
+    fi
+    [ $# -gt 0 ] || { echo "sglang_carry: no test files given"; exit 1; }
+    for f in "$@"; do
+      # One flat folder: pytest's default import mode needs distinct basenames anyway.
+      out="$dst/$(basename "$f")"
+      if [ "$mode" = --tests ]; then
+        cp "$f" "$out"
+      else
+        git --git-dir="$git_dir" show "$rev:$f" > "$out" || {
+          rm -f "$out"; echo "sglang_carry: $rev:$f not found"; exit 1; }
+      fi
+      echo "$out"
+    done
+    ;;
+  *)
+    src=$1
+    dst=build/engines/sglang_ref
+    for rel in sglang/srt/layers/attn_residual.py sglang/srt/plugins/hook_registry.py sglang/test/ci/ci_register.py; do
+      mkdir -p "$dst/$(dirname "$rel")"
+      if [ -f "$src" ]; then
+        unzip -p "$src" "$rel" > "$dst/$rel" || { echo "sglang_carry: $src lacks $rel"; exit 1; }
+      else
+        [ -f "$src/$rel" ] || { echo "sglang_carry: $src/$rel not found"; exit 1; }
+        cp "$src/$rel" "$dst/$rel"
+      fi
+    done
+    du -sh "$dst"
+    ;;
+esac
