@@ -65,6 +65,7 @@
 
 #include <cstdint>
 
+#include "cuda/attn_res_steps.cuh"
 #include "cuda/device_utils.cuh"
 #include "cuda/fp8_epilogue.cuh"
 #include "persistent_layout.hpp"
@@ -399,7 +400,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           ss = chunked_sum(mine, 2, p.chunks, G);
           dot = chunked_sum(mine + 1, 2, p.chunks, G);
         }
-        const float rsigma = rsqrtf(fmaf(ss, p.inv_hidden, p.rms_eps));
+        const float rsigma = candidate_rsigma(ss, p.inv_hidden, p.rms_eps);
         const float logit = lane < N ? rsigma * dot : -INFINITY;
         const float max_logit = warp_max(logit);
         // Past N the probability is 0 by selection, not by exp(-inf - max) (NaN when no logit is finite).
@@ -407,9 +408,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         float denom = 0.0f;  // over n in order from +0, as the per-token kernels sum it
         for (int n = 0; n < N; ++n) denom += __shfl_sync(0xffffffffu, e, n);
         // Selected again after the normalisation: lanes past N stay 0 even when the denominator is NaN.
-        prob = lane < N ? e * (1.0f / denom) : 0.0f;
-        // N = 1: the mixture is P itself (ops.md step 6), also when its logit is not finite.
-        if (N == 1) prob = lane == 0 ? 1.0f : 0.0f;
+        prob = single_candidate_rule(N, lane, lane < N ? e * softmax_scale(N, denom) : 0.0f);
       }
 
       // ---- 3. the mixture, row by row, each slot released once its row is mixed ----
@@ -486,20 +485,20 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
       if (lane == 0) mix_squares[warp] = sq;
       consumer_barrier(C);
       const float total = chunked_sum(mix_squares, 1, p.chunks, G);
-      const float r = rsqrtf(fmaf(total, p.inv_hidden, p.norm_eps));
+      const float r = norm_scale(total, p.inv_hidden, p.norm_eps);
+      const auto norm_vector = [&](int j) -> uint4 {  // the norm weight of vector j (a valid one)
+        if constexpr (kNormInRegisters) {
+          return norm_w[j];
+        } else {
+          return *reinterpret_cast<const uint4*>(norm_smem + offset(j));
+        }
+      };
 #pragma unroll
       for (int j = 0; j < V; ++j) {
         if (!valid(j)) continue;
-        float m[8], w[8], o[8];
+        float m[8];
         unpack8(mixed[j], m);
-        if constexpr (kNormInRegisters) {
-          unpack8(norm_w[j], w);
-        } else {
-          unpack8(*reinterpret_cast<const uint4*>(norm_smem + offset(j)), w);
-        }
-#pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = round_bf16(m[e] * r) * w[e];
-        store16(p.output + t * p.output_stride + offset(j) / 2, pack8(o));
+        store16(p.output + t * p.output_stride + offset(j) / 2, rms_output8_scaled(m, r, norm_vector(j)));
       }
 
       // ---- 5. FP8: the output's groups (per_token: the token, across the consumer warps; block128: 16
@@ -511,16 +510,10 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
       // those reduce through shared memory. Every reduction is a max of bit patterns: order-independent. ----
       if constexpr (FP8 != Fp8Mode::none) {
         const auto output_vector = [&](int j) {
-          float m[8], w[8], o[8];
+          float m[8];
           unpack8(mixed[j], m);
-          if constexpr (kNormInRegisters) {
-            unpack8(norm_w[j], w);
-          } else {
-            unpack8(valid(j) ? *reinterpret_cast<const uint4*>(norm_smem + offset(j)) : make_uint4(0, 0, 0, 0), w);
-          }
-#pragma unroll
-          for (int e = 0; e < 8; ++e) o[e] = round_bf16(m[e] * r) * w[e];
-          return valid(j) ? pack8(o) : make_uint4(0, 0, 0, 0);
+          const uint4 w = kNormInRegisters || valid(j) ? norm_vector(j) : make_uint4(0, 0, 0, 0);
+          return valid(j) ? rms_output8_scaled(m, r, w) : make_uint4(0, 0, 0, 0);
         };
         uint32_t amax[V];
         if constexpr (FP8 == Fp8Mode::per_token) {
