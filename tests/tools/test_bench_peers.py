@@ -41,6 +41,10 @@ def test_providers_are_the_kernels_the_plan_accepts():
     assert got[(1, 9)] == ["attnres/default", "attnres/split_k", "attnres/persistent"]  # single_cta: N <= 4
     assert got[(4096, 2)] == got[(1, 1)]
     assert got[(16384, 12)] == got[(1, 9)]
+    # The op without an addend (the topology suite's --no-add) is asked about as itself: the persistent kernel
+    # runs it (no snapshot write), single_cta up to N = 4.
+    assert list(peers._providers(4096, 5, 7168, device="h200", add=False)) == got[(1, 9)]
+    assert list(peers._providers(256, 1, 7168, device="h200", add=False)) == got[(1, 1)]
 
 
 def _rec(T, N, us, provider="attnres/default", regime="warm", kernel="split_k"):
@@ -101,6 +105,10 @@ def test_record_with_and_without_the_copy_rate():
     assert r["pct_copy"] is None and r["peer_best_us"] is None and r["suite"] == "topology"
     assert peers.record("peers", "x", "cold", 1, 9, 4096, 1, 0.0, None, t)["peer_best_us"] is None  # another H
     assert peers.summary([r | {"suite": "peers"}])[2].split()[:2] == ["256", "6"]
+    # Without the addend: the op's own bytes, no peer figure (the peers' are of the one-addend op).
+    r = peers.record("topology", "attnres/default", "cold", 128, 9, 7168, 1, 4.0, "split_k", t, add=False)
+    assert r["add"] is False and r["bytes"] == peers.op_bytes(128, 9, 7168, False) < nbytes
+    assert r["peer_best_us"] is None
 
 
 def test_calls_per_graph_amortize_the_replay_launch():

@@ -16,16 +16,21 @@ def test_grid():
     assert {N for _, N in pts} == set(range(3, 17)) and len(pts) == 6 * 14 == len(set(pts))
     quick = topology.points(quick=True)
     assert set(quick) < set(pts) and len(quick) == 15
+    # --no-add: attn_res_rmsnorm at every N, N = 1 (a plain RMSNorm) and the single_cta's N <= 2 included
+    bare = topology.points(add=False)
+    assert {N for _, N in bare} == set(range(1, 17)) and len(bare) == 6 * 16
+    assert {N for _, N in topology.points(quick=True, add=False)} == {1, 2, 5, 9, 12}
 
 
-def _rec(T, N, provider, us, kernel="split_k", regime="cold"):
-    return {"suite": "topology", "provider": provider, "regime": regime, "T": T, "N": N, "H": 7168,
-            "median_us": us, "default_kernel": kernel}
+def _rec(T, N, provider, us, kernel="split_k", regime="cold", add=None):
+    rec = {"suite": "topology", "provider": provider, "regime": regime, "T": T, "N": N, "H": 7168,
+           "median_us": us, "default_kernel": kernel}
+    return rec if add is None else rec | {"add": add}  # None: a record from before the no-addend grid
 
 
-def _point(T, N, default_us, kernel, **forced):
-    return [_rec(T, N, "attnres/default", default_us, kernel)] + [
-        _rec(T, N, f"attnres/{name}", us, kernel) for name, us in forced.items()]
+def _point(T, N, default_us, kernel, add=None, **forced):
+    return [_rec(T, N, "attnres/default", default_us, kernel, add=add)] + [
+        _rec(T, N, f"attnres/{name}", us, kernel, add=add) for name, us in forced.items()]
 
 
 def test_rows_and_target():
@@ -53,6 +58,27 @@ def test_summary_marks_a_slow_default():
     assert "63.50" in fast and "45.00" in fast and "-" in fast and not fast.endswith("!")
     assert next(line for line in lines if line.split()[:2] == ["4096", "16"]).endswith(" !")
     assert topology.summary([]) == []
+
+
+def test_the_op_without_an_addend_is_its_own_row():
+    recs = (_point(4096, 5, 215.0, "split_k", add=False, split_k=215.0, persistent=143.0)
+            + _point(4096, 5, 147.0, "persistent", add=True, split_k=250.0, persistent=147.0))
+    got = topology.rows(recs)
+    assert [(r["add"], r["kernel"], r["best"]) for r in got] == [(True, "persistent", "persistent"),
+                                                                 (False, "split_k", "persistent")]
+    row = topology.target(recs)
+    assert row[3] is False and "1 of 2" in row[2] and "T=4096 N=5 (no addend)" in row[2]
+    lines = topology.summary(recs)
+    headers = [line for line in lines if line.startswith("topology grid")]
+    assert "one addend" in headers[0] and "no addend" in headers[1] and lines[-1].endswith(" !")
+
+
+def test_no_add_belongs_to_the_topology_suite(capsys):
+    from bench.cli import main as bench_main
+
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["persistent", "--no-add"])
+    assert exc.value.code == 2 and "--no-add applies to the topology suite only" in capsys.readouterr().err
 
 
 def test_cli(capsys):
