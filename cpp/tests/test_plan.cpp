@@ -118,14 +118,19 @@ TEST(PlanCuda, SplitKFromFiveCandidatesMeasuredChoiceBelow) {
       }
 }
 
-// The automatic choice over every supported shape class.
+// The automatic choice over every supported shape class: the persistent kernel exactly where its rule
+// (tuning::automatic_prefers_persistent, on the plan's geometry) takes it, the per-token choice elsewhere.
 TEST(PlanCuda, AutomaticChoiceFollowsTheTuningRule) {
   for (int64_t H : kHidden)
     for (int64_t N = 1; N <= 16; ++N)
-      for (int64_t T : {1, 2, 8, 32, 1000}) {
+      for (int64_t T : {1, 2, 8, 32, 1000, 5000}) {
         const Plan p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, T, N, H), h200());
         ASSERT_TRUE(p.accepted()) << "H=" << H << " N=" << N << ": " << p.decline;
-        EXPECT_EQ(p.kernel, automatic_kernel(T, N, H)) << "H=" << H << " N=" << N << " T=" << T;
+        const bool persistent = p.kernel == KernelKind::persistent;
+        EXPECT_EQ(persistent, tuning::automatic_prefers_persistent(T, N, H, p.blocks_per_sm == 2) &&
+                                  automatic_kernel(T, N, H) != KernelKind::single_cta)
+            << "H=" << H << " N=" << N << " T=" << T;
+        if (!persistent) EXPECT_EQ(p.kernel, automatic_kernel(T, N, H)) << "H=" << H << " N=" << N << " T=" << T;
       }
 }
 

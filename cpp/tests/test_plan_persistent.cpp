@@ -191,9 +191,8 @@ TEST(PlanPersistent, Routing) {
     EXPECT_EQ(attnres::plan(query(op, 33, 9, 7168, a), h200(), split).kernel, KernelKind::persistent);
     EXPECT_EQ(attnres::plan(query(op, 32, 9, 7168, a), h200(), split).kernel, KernelKind::split_k);
     EXPECT_EQ(attnres::plan(query(op, 1, 9, 7168, a), h200(), forced).kernel, KernelKind::persistent);
-    // Automatic: persistent with the addend at T >= 4096 (H = 7168 has the two-blocks geometry), per-token without.
-    EXPECT_EQ(attnres::plan(query(op, 5000, 9, 7168, a), h200(), Options{}).kernel,
-              a ? KernelKind::persistent : KernelKind::split_k);
+    // Automatic: persistent with or without the addend at T >= 4096 (H = 7168 has the two-blocks geometry).
+    EXPECT_EQ(attnres::plan(query(op, 5000, 9, 7168, a), h200(), Options{}).kernel, KernelKind::persistent);
   }
   Options per_token_forced = persistent_topology();
   per_token_forced.kernel = KernelKind::split_k;
@@ -328,13 +327,13 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(p.slots, 3);
 }
 
-// The automatic topology's rule, a pure function: persistent only with one addend, on the two-blocks geometry,
+// The automatic topology's rule, a pure function: persistent (with or without the addend) on the two-blocks geometry,
 // from the measured T for the call's N (at H > 4096; T >= 4096 at smaller H and for N <= 4), never for N > 10.
 TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
   EXPECT_EQ(tuning::kAutomaticPersistentMinTokens, 4096);
-  static_assert(tuning::automatic_prefers_persistent(4096, 9, 7168, true, true), "the measured crossover");
-  static_assert(tuning::automatic_prefers_persistent(512, 9, 7168, true, true), "N = 9 from T = 512");
-  static_assert(!tuning::automatic_prefers_persistent(511, 9, 7168, true, true), "N = 9 below T = 512");
+  static_assert(tuning::automatic_prefers_persistent(4096, 9, 7168, true), "the measured crossover");
+  static_assert(tuning::automatic_prefers_persistent(512, 9, 7168, true), "N = 9 from T = 512");
+  static_assert(!tuning::automatic_prefers_persistent(511, 9, 7168, true), "N = 9 below T = 512");
   struct Case {
     int64_t n, hidden, min_tokens;
   };
@@ -347,18 +346,17 @@ TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
     SCOPED_TRACE(testing::Message() << "N = " << c.n << ", H = " << c.hidden);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, c.hidden), c.min_tokens);
     if (c.min_tokens != never) {
-      EXPECT_TRUE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, true, true));
-      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens - 1, c.n, c.hidden, true, true));
-      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, false, true));
-      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, true, false));
+      EXPECT_TRUE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens - 1, c.n, c.hidden, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, false));
     }
-    EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, c.n, c.hidden, true, false));
+    EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, c.n, c.hidden, false));
   }
-  EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, 11, 7168, true, true));
+  EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, 11, 7168, true));
 }
 
-// Through the plan on a described H200: N = 9 at the crossover (T = 512 at H > 4096, 4096 below) with and
-// without the two-blocks geometry; FP8 (no
+// Through the plan on a described H200: N = 9 at the crossover (T = 512 at H > 4096, 4096 below), with and
+// without the addend, with and without the two-blocks geometry; FP8 (no
 // two-blocks instance) and add2 stay per-token; explicit one block keeps the per-token kernels too.
 TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   const AttnResOp add = AttnResOp::attn_res_add_rmsnorm;
@@ -406,9 +404,19 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   const Plan a2 = attnres::plan(q, h200(), Options{});
   ASSERT_TRUE(a2.accepted()) << a2.decline;
   EXPECT_EQ(a2.kernel, KernelKind::split_k);
-  // Without the addend: per-token.
-  EXPECT_EQ(attnres::plan(query(AttnResOp::attn_res_rmsnorm, 16384, 9, 7168, false), h200(), Options{}).kernel,
-            KernelKind::split_k);
+  // Without the addend: the same crossover; with a snapshot write (which the persistent kernel declines),
+  // per-token at every T.
+  const auto bare = [&](int64_t T, bool snapshot = false) {
+    PlanQuery b = query(AttnResOp::attn_res_rmsnorm, T, 9, 7168, false);
+    b.snapshot = snapshot;
+    const Plan p = attnres::plan(b, h200(), Options{});
+    EXPECT_TRUE(p.accepted()) << p.decline;
+    return p.kernel;
+  };
+  EXPECT_EQ(bare(16384), KernelKind::persistent);
+  EXPECT_EQ(bare(512), KernelKind::persistent);
+  EXPECT_EQ(bare(511), KernelKind::split_k);
+  EXPECT_EQ(bare(16384, true), KernelKind::split_k);
 }
 
 TEST(PlanPersistent, LayoutArithmetic) {
@@ -451,7 +459,8 @@ TEST(PlanPersistent, AutomaticTopologyRoutesByTheMeasuredCrossover) {
   EXPECT_EQ(attnres::plan(attnres_test::query(add, big, 4, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
   // N > 10: split_k at every T (it measured faster from T = 128 to 16384 at N = 11, 12, 13, 16).
   EXPECT_EQ(attnres::plan(attnres_test::query(add, 16384, 12, 7168, true), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
-  EXPECT_EQ(attnres::plan(attnres_test::query(norm, big, 9, 7168, false), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(attnres_test::query(norm, big, 9, 7168, false), attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  EXPECT_EQ(attnres::plan(attnres_test::query(norm, 511, 9, 7168, false), attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   attnres::PlanQuery q = attnres_test::query(add, big, 9, 7168, true);
   q.add2 = true;  // the persistent kernel declines add2: auto stays per-token instead of declining
   EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);

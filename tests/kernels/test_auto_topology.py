@@ -1,10 +1,9 @@
 """The automatic topology (the default Options): the kernel changes with T, the bits of a token do not.
 
-With `Options()` a one-addend call runs on the persistent kernel where its plan takes two blocks per SM (H = 7168
-does) from the T the H200 measured it faster for the call's N (tuning::automatic_persistent_min_tokens: at
-H = 7168 T >= 512 for N = 9, T >= 256 for N = 6..8 and 10, 128 for N = 5, 2048 for N = 3, 4096 for N = 1, 2, 4,
-never for N > 10), smaller calls
-and calls without the addend on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
+With `Options()` a call with one addend or none runs on the persistent kernel where its plan takes two blocks per
+SM (H = 7168 does) from the T the H200 measured it faster for the call's N (tuning::automatic_persistent_min_tokens:
+at H = 7168 T >= 512 for N = 9, T >= 256 for N = 6..8 and 10, 128 for N = 5, 2048 for N = 3, 4096 for N = 1, 2, 4,
+never for N > 10), smaller calls on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
 order, so a token's `updated` and `output` must be the same bits whatever T the call has. Checked at T = 1 ...
 16384 for N = 9 (across the crossover: 511, 512, 513) against the 16384-token call, with and without the addend,
 on tokens taken from the start, the middle and the end of the batch; the persistent calls are also checked
@@ -57,13 +56,11 @@ def _kernel_at(op: str, T: int, add: bool) -> str:
 def test_default_options_give_a_token_the_same_bits_at_every_T(batch, add):
     op = "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
     big = attnres.plan(op, tokens=T_MAX, candidates=N, hidden=H, device="cuda", add=add)
-    assert big.kernel == ("persistent" if add else "split_k"), big
-    if add:
-        assert big.blocks_per_sm == 2, big
+    assert big.kernel == "persistent" and big.blocks_per_sm == 2, big
     full = _call(batch, 0, T_MAX, add)
     for T in T_GRID:
         kernel = _kernel_at(op, T, add)
-        assert kernel == ("persistent" if add and T >= CROSSOVER else "split_k"), (T, kernel)
+        assert kernel == ("persistent" if T >= CROSSOVER else "split_k"), (T, kernel)
         for lo in (0, (T_MAX - T) // 2, T_MAX - T):
             got = _call(batch, lo, lo + T, add)
             for i, (g, f) in enumerate(zip(got, full)):
@@ -71,17 +68,20 @@ def test_default_options_give_a_token_the_same_bits_at_every_T(batch, add):
                                                   f"({kernel}) vs of {T_MAX} ({big.kernel})")
 
 
-def test_persistent_default_matches_forced_split_k_across_the_crossover(batch):
+@pytest.mark.parametrize("add", [True, False], ids=["add", "noadd"])
+def test_persistent_default_matches_forced_split_k_across_the_crossover(batch, add):
     """The default's persistent calls (two blocks per SM) give split_k's bits on the same tokens."""
+    op = "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
     w = (batch["res_w"], batch["rms_w"], batch["norm_w"], 1e-5, 1e-5)
     split_k = attnres.Options(kernel="split_k")
+    fn = getattr(attnres, op)
     for T in (CROSSOVER, CROSSOVER + 1, 4096, T_MAX):
-        assert _kernel_at("attn_res_add_rmsnorm", T, True) == "persistent", T
-        args = (batch["prefix"][:T], batch["add"][:T], batch["bank"][:, :T], *w)
-        got = attnres.attn_res_add_rmsnorm(*args)
-        want = attnres.attn_res_add_rmsnorm(*args, options=split_k)
+        assert _kernel_at(op, T, add) == "persistent", T
+        args = (batch["prefix"][:T], *([batch["add"][:T]] if add else []), batch["bank"][:, :T], *w)
+        got, want = fn(*args), fn(*args, options=split_k)
+        got, want = (got, want) if add else ((got,), (want,))
         for i, (g, f) in enumerate(zip(got, want)):
-            assert_same_bits(g, f, f"attn_res_add_rmsnorm output #{i} at T = {T}: default (persistent) vs split_k")
+            assert_same_bits(g, f, f"{op} output #{i} at T = {T}: default (persistent) vs split_k")
 
 
 @pytest.mark.parametrize("n, crossover", [(6, 256), (12, None)], ids=["N6", "N12"])

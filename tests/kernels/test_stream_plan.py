@@ -110,13 +110,16 @@ def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(o
 
 
 @pytest.mark.parametrize("H", [7168, 4096])
-def test_automatic_takes_the_persistent_kernel_by_n_and_t(H):
-    """One addend, two blocks per SM: persistent from the T measured for N (at H > 4096; T >= 4096 at H <= 4096
-    and for N <= 4), never for N > 10 or without the addend or with two; the streaming single_cta first for
-    N <= 2 at H > 4096."""
+@pytest.mark.parametrize("op", ["attn_res_add_rmsnorm", "attn_res_rmsnorm"], ids=["add", "noadd"])
+def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op):
+    """One addend or none, two blocks per SM: persistent from the T measured for N (at H > 4096; T >= 4096 at
+    H <= 4096 and for N <= 4), never for N > 10, with two addends or with a snapshot write; the streaming
+    single_cta first for N <= 2 at H > 4096."""
+    add = op == "attn_res_add_rmsnorm"
+
     def kernel(T, N, **flags):
-        return attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=N, hidden=H, device="h200",
-                            **({"add": True} | flags)).kernel
+        return attnres.plan(op, tokens=T, candidates=N, hidden=H, device="h200",
+                            **({"add": True} if add else {}) | flags).kernel
     big = H > 4096
     for N in range(1, 17):
         measured = {3: 2048, 5: 128, 9: 512}.get(N, 4096 if N <= 4 else 256)
@@ -126,6 +129,5 @@ def test_automatic_takes_the_persistent_kernel_by_n_and_t(H):
             if N <= 2 and big and T >= 256:
                 want = "single_cta"
             assert kernel(T, N) == want, (H, N, T)
-            assert kernel(T, N, add2=True) in ("split_k", "single_cta"), (H, N, T)
-        assert attnres.plan("attn_res_rmsnorm", tokens=16384, candidates=N, hidden=H, device="h200").kernel in (
-            "split_k", "single_cta"), (H, N)
+            declined = {"add2": True} if add else {"snapshot": True}
+            assert kernel(T, N, **declined) in ("split_k", "single_cta"), (H, N, T)
