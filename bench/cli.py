@@ -53,7 +53,7 @@ HELP = {
     "device": "cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a small "
               "config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing",
     "tokens": "comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8, its MoE "
-              "finalize 1,8,16,32)",
+              "finalize 1,8,16,32; topology: the grid's T values instead)",
     "hidden": "hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)",
     "layers": "decoder layers (default 93 on cuda; on cpu 26, tp: 10)",
 }
@@ -118,7 +118,8 @@ def _peers_step(args) -> common.Step:
 
 def _topology_step(args) -> common.Step:
     return lambda progress, extra: topology.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
-                                                repeats=args.repeats, add=not args.no_add)
+                                                repeats=args.repeats, add=not args.no_add,
+                                                tokens=common.chain_tokens(args) if args.tokens else None)
 
 
 def _persistent_step(args) -> common.Step:

@@ -26,17 +26,18 @@ QUICK_CANDIDATES_NO_ADD = (1, 2, 5, 9, 12)
 TOLERANCE = 0.03
 
 
-def points(quick: bool = False, add: bool = True) -> list[tuple[int, int]]:
+def points(quick: bool = False, add: bool = True, tokens: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
+    """tokens: the T values instead of the grid's (the candidates stay the grid's)."""
     cands = (QUICK_CANDIDATES if quick else CANDIDATES) if add else (
         QUICK_CANDIDATES_NO_ADD if quick else CANDIDATES_NO_ADD)
-    return [(T, N) for T in (QUICK_TOKENS if quick else TOKENS) for N in cands]
+    return [(T, N) for T in (tokens or (QUICK_TOKENS if quick else TOKENS)) for N in cands]
 
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None,
-        repeats: int = 25, add: bool = True) -> list[dict]:
+        repeats: int = 25, add: bool = True, tokens: tuple[int, ...] | None = None) -> list[dict]:
     """copy_tbs: the run's copy rate for the records' pct_copy (None: not recorded). add=False: attn_res_rmsnorm."""
     records = []
-    pts = points(quick, add)
+    pts = points(quick, add, tokens)
     for i, (T, N) in enumerate(pts):
         records += run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",), add=add)
         torch.cuda.empty_cache()

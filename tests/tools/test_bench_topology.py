@@ -20,6 +20,7 @@ def test_grid():
     bare = topology.points(add=False)
     assert {N for _, N in bare} == set(range(1, 17)) and len(bare) == 6 * 16
     assert {N for _, N in topology.points(quick=True, add=False)} == {1, 2, 5, 9, 12}
+    assert topology.points(add=False, tokens=(4096,)) == [(4096, N) for N in range(1, 17)]  # --tokens
 
 
 def _rec(T, N, provider, us, kernel="split_k", regime="cold", add=None):
