@@ -169,7 +169,7 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
   if (o.topology == Topology::automatic)
     return !automatic_streams(q, dev, o) &&
-           tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden,
+           tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden, q.add,
                                                  persistent_blocks_per_sm(q, dev, o) == 2) &&
            persistent_decline(q).empty();
   return false;

@@ -100,32 +100,37 @@ constexpr int32_t split_k_chunk(int64_t hidden) {
 constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
 // The automatic topology: the persistent kernel where it was measured faster than split_k (the H200's grid,
-// H = 7168, one addend: docs/performance.md) — on the two-blocks-per-SM geometry (the persistent plan's for the
-// call: `two_blocks_per_sm`; one block per SM measured slower than split_k everywhere) and
-// T >= automatic_persistent_min_tokens(N, H); the per-token kernels everywhere else. The bits are the same
+// H = 7168: docs/performance.md) — on the two-blocks-per-SM geometry (the persistent plan's for the call:
+// `two_blocks_per_sm`; one block per SM measured slower than split_k everywhere) and
+// T >= automatic_persistent_min_tokens(N, H, add); the per-token kernels everywhere else. The bits are the same
 // either way (both reduce in split_k's order). The persistent kernel's time grows with N (it streams every row),
 // split_k's with its candidate bucket (its instance computes the whole bucket), so it wins below the top of a
 // bucket (N = 5..8, 10) from a few hundred tokens, at the top (N = 9, 3, 4) only later, and never for N >= 11.
-// Without the addend both kernels stream one row fewer per token, so the same thresholds apply
-// (`python -m bench topology --no-add` measures that grid). The thresholds below T = 4096 were measured at
-// H = 7168 only and are taken where the per-token kernels run as they do there (H > 4096: split_k's cluster of
-// more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
+// Without the addend (`python -m bench topology --no-add`) the persistent kernel gains more: it wins from
+// T = 256 at N = 3 and 11..13 too, from 512 at N = 4, from 128 at N = 6. The thresholds below T = 4096 were
+// measured at H = 7168 only and are taken where the per-token kernels run as they do there (H > 4096: split_k's
+// cluster of more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
 constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
-// By N = 1 .. 16 (index N - 1), H > 4096.
+// By N = 1 .. 16 (index N - 1), H > 4096, with one addend (h200_80e29ff_topology.json, h200_4dd1abb_topology.json).
 constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
     4096, 4096, 2048, 4096, 128, 256, 256, 256, 512, 256, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+// The same without the addend (h200_4dd1abb_topology_noadd*.json).
+constexpr int64_t kAutomaticPersistentMinTokensNoAddByN[kMaxCandidates] = {
+    4096, 4096, 256, 512, 128, 128, 256, 256, 512, 256, 256, 256,
+    256, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
-constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden) {
+constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, bool add) {
   if (candidates < 1 || candidates > kMaxCandidates) return kNeverPersistent;
-  const int64_t measured = kAutomaticPersistentMinTokensByN[candidates - 1];
+  const int64_t* table = add ? kAutomaticPersistentMinTokensByN : kAutomaticPersistentMinTokensNoAddByN;
+  const int64_t measured = table[candidates - 1];
   if (measured == kNeverPersistent || hidden >= kAutomaticPersistentMeasuredMinHidden) return measured;
   return kAutomaticPersistentMinTokens;
 }
-constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden,
+constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden, bool add,
                                             bool two_blocks_per_sm) {
-  return two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden);
+  return two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden, add);
 }
 
 }  // namespace attnres::tuning

@@ -127,7 +127,7 @@ TEST(PlanCuda, AutomaticChoiceFollowsTheTuningRule) {
         const Plan p = attnres::plan(query(AttnResOp::attn_res_rmsnorm, T, N, H), h200());
         ASSERT_TRUE(p.accepted()) << "H=" << H << " N=" << N << ": " << p.decline;
         const bool persistent = p.kernel == KernelKind::persistent;
-        EXPECT_EQ(persistent, tuning::automatic_prefers_persistent(T, N, H, p.blocks_per_sm == 2) &&
+        EXPECT_EQ(persistent, tuning::automatic_prefers_persistent(T, N, H, false, p.blocks_per_sm == 2) &&
                                   automatic_kernel(T, N, H) != KernelKind::single_cta)
             << "H=" << H << " N=" << N << " T=" << T;
         if (!persistent) EXPECT_EQ(p.kernel, automatic_kernel(T, N, H)) << "H=" << H << " N=" << N << " T=" << T;

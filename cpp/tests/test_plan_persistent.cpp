@@ -327,32 +327,40 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(p.slots, 3);
 }
 
-// The automatic topology's rule, a pure function: persistent (with or without the addend) on the two-blocks geometry,
-// from the measured T for the call's N (at H > 4096; T >= 4096 at smaller H and for N <= 4), never for N > 10.
+// The automatic topology's rule, a pure function: persistent on the two-blocks geometry from the measured T for
+// the call's N, one table with the addend and one without (at H > 4096; T >= 4096 at smaller H).
 TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
   EXPECT_EQ(tuning::kAutomaticPersistentMinTokens, 4096);
-  static_assert(tuning::automatic_prefers_persistent(4096, 9, 7168, true), "the measured crossover");
-  static_assert(tuning::automatic_prefers_persistent(512, 9, 7168, true), "N = 9 from T = 512");
-  static_assert(!tuning::automatic_prefers_persistent(511, 9, 7168, true), "N = 9 below T = 512");
+  static_assert(tuning::automatic_prefers_persistent(4096, 9, 7168, true, true), "the measured crossover");
+  static_assert(tuning::automatic_prefers_persistent(512, 9, 7168, true, true), "N = 9 from T = 512");
+  static_assert(!tuning::automatic_prefers_persistent(511, 9, 7168, true, true), "N = 9 below T = 512");
+  static_assert(tuning::automatic_prefers_persistent(256, 11, 7168, false, true), "N = 11 without the addend");
+  static_assert(!tuning::automatic_prefers_persistent(16384, 11, 7168, true, true), "N = 11 with it: never");
   struct Case {
-    int64_t n, hidden, min_tokens;
+    int64_t n, hidden;
+    bool add;
+    int64_t min_tokens;
   };
   const int64_t never = tuning::kNeverPersistent;
-  for (const Case c : {Case{1, 7168, 4096}, Case{2, 7168, 4096}, Case{3, 7168, 2048}, Case{4, 7168, 4096},
-                       Case{5, 7168, 128}, Case{6, 7168, 256}, Case{8, 7168, 256}, Case{9, 7168, 512},
-                       Case{10, 7168, 256}, Case{11, 7168, never}, Case{12, 7168, never}, Case{16, 7168, never},
-                       Case{5, 4104, 128}, Case{5, 4096, 4096}, Case{9, 2048, 4096}, Case{10, 1024, 4096},
-                       Case{11, 2048, never}, Case{0, 7168, never}, Case{17, 7168, never}}) {
-    SCOPED_TRACE(testing::Message() << "N = " << c.n << ", H = " << c.hidden);
-    EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, c.hidden), c.min_tokens);
+  for (const Case c : {Case{1, 7168, true, 4096}, Case{2, 7168, true, 4096}, Case{3, 7168, true, 2048},
+                       Case{4, 7168, true, 4096}, Case{5, 7168, true, 128}, Case{6, 7168, true, 256},
+                       Case{8, 7168, true, 256}, Case{9, 7168, true, 512}, Case{10, 7168, true, 256},
+                       Case{11, 7168, true, never}, Case{12, 7168, true, never}, Case{16, 7168, true, never},
+                       Case{5, 4104, true, 128}, Case{5, 4096, true, 4096}, Case{9, 2048, true, 4096},
+                       Case{10, 1024, true, 4096}, Case{11, 2048, true, never}, Case{0, 7168, true, never},
+                       Case{17, 7168, true, never}, Case{1, 7168, false, 4096}, Case{3, 7168, false, 256},
+                       Case{4, 7168, false, 512}, Case{6, 7168, false, 128}, Case{9, 7168, false, 512},
+                       Case{11, 7168, false, 256}, Case{13, 7168, false, 256}, Case{14, 7168, false, never},
+                       Case{16, 7168, false, never}, Case{13, 4096, false, 4096}, Case{0, 7168, false, never}}) {
+    SCOPED_TRACE(testing::Message() << "N = " << c.n << ", H = " << c.hidden << ", add = " << c.add);
+    EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, c.hidden, c.add), c.min_tokens);
     if (c.min_tokens != never) {
-      EXPECT_TRUE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, true));
-      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens - 1, c.n, c.hidden, true));
-      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, false));
+      EXPECT_TRUE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, c.add, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens - 1, c.n, c.hidden, c.add, true));
+      EXPECT_FALSE(tuning::automatic_prefers_persistent(c.min_tokens, c.n, c.hidden, c.add, false));
     }
-    EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, c.n, c.hidden, false));
+    EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, c.n, c.hidden, c.add, false));
   }
-  EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, 11, 7168, true));
 }
 
 // Through the plan on a described H200: N = 9 at the crossover (T = 512 at H > 4096, 4096 below), with and

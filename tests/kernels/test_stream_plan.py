@@ -112,9 +112,9 @@ def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(o
 @pytest.mark.parametrize("H", [7168, 4096])
 @pytest.mark.parametrize("op", ["attn_res_add_rmsnorm", "attn_res_rmsnorm"], ids=["add", "noadd"])
 def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op):
-    """One addend or none, two blocks per SM: persistent from the T measured for N (at H > 4096; T >= 4096 at
-    H <= 4096 and for N <= 4), never for N > 10, with two addends or with a snapshot write; the streaming
-    single_cta first for N <= 2 at H > 4096."""
+    """One addend or none, two blocks per SM: persistent from the T measured for N and the op (at H > 4096;
+    T >= 4096 at H <= 4096), never for N > 10 with the addend or N > 13 without, with two addends or with a
+    snapshot write; the streaming single_cta first for N <= 2 at H > 4096."""
     add = op == "attn_res_add_rmsnorm"
 
     def kernel(T, N, **flags):
@@ -122,8 +122,11 @@ def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op):
                             **({"add": True} if add else {}) | flags).kernel
     big = H > 4096
     for N in range(1, 17):
-        measured = {3: 2048, 5: 128, 9: 512}.get(N, 4096 if N <= 4 else 256)
-        start = None if N > 10 else measured if big else 4096
+        if add:
+            measured = None if N > 10 else {3: 2048, 5: 128, 9: 512}.get(N, 4096 if N <= 4 else 256)
+        else:  # the no-addend grid
+            measured = None if N > 13 else {1: 4096, 2: 4096, 4: 512, 5: 128, 6: 128, 9: 512}.get(N, 256)
+        start = None if measured is None else measured if big else 4096
         for T in (1, 127, 128, 255, 256, 511, 512, 1024, 2047, 2048, 4095, 4096, 16384):
             want = "persistent" if start is not None and T >= start else "split_k"
             if N <= 2 and big and T >= 256:
