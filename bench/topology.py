@@ -12,8 +12,6 @@ rule, measured by the peers and decode suites)."""
 
 from __future__ import annotations
 
-import torch
-
 from .peers import FORCED, H_DEFAULT, run_point
 
 TOKENS = (128, 256, 512, 1024, 2048, 4096)
@@ -40,7 +38,6 @@ def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, 
     pts = points(quick, add, tokens)
     for i, (T, N) in enumerate(pts):
         records += run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",), add=add)
-        torch.cuda.empty_cache()
         if progress:
             progress(i + 1, len(pts), f"topology T={T} N={N}{'' if add else ' no addend'}")
     return records

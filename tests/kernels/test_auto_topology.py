@@ -2,8 +2,8 @@
 
 With `Options()` a call with one addend or none runs on the persistent kernel where its plan takes two blocks per
 SM (H = 7168 does) from the T the H200 measured it faster for the call's N (tuning::automatic_persistent_min_tokens:
-at H = 7168 T >= 512 for N = 9, T >= 256 for N = 6..8 and 10, 128 for N = 5, 2048 for N = 3, 4096 for N = 1, 2, 4,
-never for N > 10), smaller calls on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
+at H = 7168 T >= 512 for N = 9 with or without the addend; the other N per op in docs/ops/common.md), smaller
+calls on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
 order, so a token's `updated` and `output` must be the same bits whatever T the call has. Checked at T = 1 ...
 16384 for N = 9 (across the crossover: 511, 512, 513) against the 16384-token call, with and without the addend,
 on tokens taken from the start, the middle and the end of the batch; the persistent calls are also checked

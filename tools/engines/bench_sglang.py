@@ -3,7 +3,7 @@
 plugin consults (python/attnres/integrations/sglang_table.json; docs/integrations.md).
 
 SGLang's own code runs: sglang/srt/layers/attn_residual.py and sglang/srt/plugins/hook_registry.py are taken from
-an unpacked SGLang wheel (--sglang-src, carried to the GPU machine; tools/engines/sglang_carry.sh copies
+an unpacked SGLang wheel (--sglang-src, copied to the GPU host; tools/engines/sglang_prepare.sh copies
 them). The modules attn_residual imports that need SGLang's compiled dependencies are replaced by minimal
 stand-ins generated here into an ignored folder: RMSNorm (its CUDA forward is one fused kernel, sgl_kernel's
 rmsnorm; the stand-in is one Triton kernel of the same arithmetic), ReplicatedLinear (a weight), utils
@@ -110,7 +110,7 @@ def prepare(src: Path, root: Path = RUNTIME, standins: dict = STANDINS, copied: 
     tools/engines/sglang_pytest_plugin.py builds its own tree (more files) in another folder this way."""
     missing = [rel for rel in copied if not (src / rel).is_file()]
     if missing:
-        sys.exit(f"bench_sglang: {src} lacks {missing} (run tools/engines/sglang_carry.sh and carry its folder)")
+        sys.exit(f"bench_sglang: {src} lacks {missing} (run tools/engines/sglang_prepare.sh and copy its folder to this machine)")
     shutil.rmtree(root, ignore_errors=True)
     for rel, text in standins.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)

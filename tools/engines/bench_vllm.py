@@ -6,8 +6,8 @@ Three steps (docs/integrations.md, "Refreshing the table"):
   prepare SRC     (any machine) SRC: the vLLM 0.33.0 wheel or an unpacked copy of it. Builds build/engines/vllm/
                   (ignored): vLLM's real ops/attn_res.py and ops/__init__.py, plus minimal stand-ins written
                   here for the three modules they import that need vLLM's compiled library or its config
-                  system (vllm._custom_ops, vllm.platforms, vllm.triton_utils). Carry build/engines to the GPU.
-  run --out F     (GPU) PYTHONPATH=python:build/engines/vllm. For each site (call form), T and N: both
+                  system (vllm._custom_ops, vllm.platforms, vllm.triton_utils). Copy build/engines to the GPU host.
+  run --out F     (GPU) PYTHONPATH=build/engines/vllm. For each site (call form), T and N: both
                   functions on the same inputs, the max |delta| of the outputs, whether the side effects (prefix,
                   blocks) are bitwise equal, and the per-call time of each by CUDA-graph replay over rotating
                   input sets (attnres.bench.timing). --sites/--tokens/--candidates split a long sweep.
@@ -99,7 +99,7 @@ def prepare(src: Path) -> None:
             data = (src / rel).read_bytes()
         (STANDIN / rel).parent.mkdir(parents=True, exist_ok=True)
         (STANDIN / rel).write_bytes(data)
-    print(f"prepared {STANDIN} (carry build/engines; run with PYTHONPATH=python:build/engines/vllm)")
+    print(f"prepared {STANDIN} (copy build/engines to the GPU host; run there with PYTHONPATH=build/engines/vllm and attnres installed)")
 
 
 def _inputs(T, NB, H, sets, gen, device):

@@ -3,7 +3,7 @@ modules import attn_residual, serves every call attnres supports (the measured t
 run SGLang's own checks against attnres), and fails the session if no call was served through attnres — a run
 that only exercised SGLang's functions proves nothing.
 
-Without an installed SGLang (ATTNRES_SGLANG_SRC names the carried wheel files, tools/engines/sglang_carry.sh), the
+Without an installed SGLang (ATTNRES_SGLANG_SRC names the copied wheel files, tools/engines/sglang_prepare.sh), the
 SGLang package is a tree built in build/engines/sglang_test_runtime (ignored): SGLang's own attn_residual.py, hook
 registry and CI-registration markers, and minimal stand-ins for the modules they and the tests import that need
 SGLang's compiled kernels or its server stack (below, and bench_sglang.STANDINS)."""
@@ -59,7 +59,7 @@ class CustomTestCase(unittest.TestCase):
     # takes it only on SM100+ and its test skips below SM100, so on Hopper nothing calls this.
     "sglang/kernels/ops/attention/attn_res.py": """\
 def attn_res_fused_tma(*args, **kwargs):
-    raise RuntimeError("SGLang's SM100 TMA kernel is not available from the carried files (stand-in)")
+    raise RuntimeError("SGLang's SM100 TMA kernel is not available from the copied wheel files (stand-in)")
 """,
 })
 

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Runs SGLang's own AttnRes tests (files of SGLang's repository, not of its wheel: pass their paths;
-# `tools/engines/sglang_carry.sh --tests` copies them into build/engines/sglang_tests) with the attnres SGLang
+# `tools/engines/sglang_prepare.sh --tests` copies them into build/engines/sglang_tests) with the attnres SGLang
 # plugin active, on a Hopper GPU. Every call attnres supports is served by attnres (the measured table is
 # bypassed; ATTNRES_SGLANG_TEST_TABLE=shipped keeps it); the run fails if none was.
 #
 #   tools/engines/test_sglang.sh TEST_FILE... [-- pytest args...]
 #
 # SGLang: the installed one if `import sglang.srt.layers.attn_residual` works (ATTNRES_SGLANG_STANDIN=1 forces the
-# stand-ins), else SGLang's files carried from its wheel by `tools/engines/sglang_carry.sh` in
-# build/engines/sglang_ref (carry build/engines), with the stand-ins of tools/engines/sglang_pytest_plugin.py.
+# stand-ins), else SGLang's files copied from its wheel by `tools/engines/sglang_prepare.sh` in
+# build/engines/sglang_ref (copy build/engines to the GPU host), with the stand-ins of tools/engines/sglang_pytest_plugin.py.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 tests=()
@@ -22,7 +22,7 @@ unset ATTNRES_SGLANG_SRC
 if [ "${ATTNRES_SGLANG_STANDIN:-0}" = 1 ] || ! "$py" -c "import sglang.srt.layers.attn_residual" 2>/dev/null; then
   src="$root/build/engines/sglang_ref"
   [ -f "$src/sglang/srt/layers/attn_residual.py" ] && [ -f "$src/sglang/test/ci/ci_register.py" ] || {
-    echo "test_sglang.sh: no SGLang: run tools/engines/sglang_carry.sh <unpacked sglang wheel> first" >&2; exit 2; }
+    echo "test_sglang.sh: no SGLang: run tools/engines/sglang_prepare.sh <unpacked sglang wheel> first" >&2; exit 2; }
   export ATTNRES_SGLANG_SRC="$src"
 fi
 export ATTNRES_SGLANG=1

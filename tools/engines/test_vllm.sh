@@ -6,7 +6,7 @@
 #   tools/engines/test_vllm.sh PATH/TO/test_attn_res.py [pytest args...]
 #
 # vLLM: the installed one if `import vllm` works (ATTNRES_VLLM_STANDIN=1 forces the stand-in), else the
-# stand-in tree of `tools/engines/bench_vllm.py prepare` in build/engines/vllm (carry build/engines).
+# stand-in tree of `tools/engines/bench_vllm.py prepare` in build/engines/vllm (copy build/engines to the GPU host).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 test_file="${1:?usage: $0 PATH/TO/test_attn_res.py [pytest args...]}"
