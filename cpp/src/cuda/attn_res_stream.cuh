@@ -44,7 +44,8 @@ constexpr int kStreamVectors = tuning::kStreamVectors;
 constexpr int kStreamMaxThreads = kSingleCtaMaxThreads / kStreamVectors;
 
 template <int NMAX, Mode MODE>
-__global__ void __launch_bounds__(kStreamMaxThreads)
+__global__ void __launch_bounds__(kStreamMaxThreads, tuning::stream_min_blocks(NMAX, mode_has_add(MODE),
+                                                                                mode_has_add2(MODE)))
     attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {
   constexpr int V = kStreamVectors;
   constexpr bool kNorm = mode_has_norm(MODE);
@@ -70,6 +71,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
   const int lanes = static_cast<int>(blockDim.x) * V;  // single_cta's threads: one per vector of the layout
   const int vwarps = lanes >> 5;
   const int K = p.snapshots, N = K + 1;
+  const bool scores = N > 1 || (!kNorm && p.rsigma != nullptr);
   int token = blockIdx.x;
 
   // Lane (warp * V + v) * 32 + lane of the one-block layout: chunk l / kChunkThreads, kChunkThreads lanes each.
@@ -184,31 +186,40 @@ __global__ void __launch_bounds__(kStreamMaxThreads)
     };
 
     // ---- the candidates' (sum of squares, dot with q): warp (reduce-scatter), block (warps in order) ----
-    constexpr int kWidth = scatter_width(V * kValues) < 8 ? 8 : scatter_width(V * kValues);
-    constexpr int kLanesPerValue = 32 / kWidth;
-    float part[kWidth];
+    // N = 1 without diagnostics needs no score: the mixture is P (single_candidate_rule), whatever its logit, so
+    // the scoring's reduction and barriers are skipped (uniform over the launch) and the probabilities are the
+    // rule's, the same values candidate_softmax gives at N = 1: the same bits.
+    float prob[NMAX];
+    if (scores) {
+      constexpr int kWidth = scatter_width(V * kValues) < 8 ? 8 : scatter_width(V * kValues);
+      constexpr int kLanesPerValue = 32 / kWidth;
+      float part[kWidth];
 #pragma unroll
-    for (int i = V * kValues; i < kWidth; ++i) part[i] = 0.0f;
+      for (int i = V * kValues; i < kWidth; ++i) part[i] = 0.0f;
 #pragma unroll
-    for (int v = 0; v < V; ++v)
+      for (int v = 0; v < V; ++v)
 #pragma unroll
-      for (int n = 0; n < NMAX; ++n)
-        vector_scores(candidate(v, n), q[v], part[v * kValues + 2 * n], part[v * kValues + 2 * n + 1]);
-    {
-      const float sum = warp_reduce_scatter<kWidth>(part, lane);
-      const int index = lane / kLanesPerValue;
-      if (lane % kLanesPerValue == 0 && index < V * kValues) warp_part[warp * V + index / kValues][index % kValues] = sum;
-    }
-    __syncthreads();
-    if (tid < 2 * N) totals[tid] = chunked_sum<kMaxWarps, true>(&warp_part[0][tid], kValues, vwarps);
-    __syncthreads();
+        for (int n = 0; n < NMAX; ++n)
+          vector_scores(candidate(v, n), q[v], part[v * kValues + 2 * n], part[v * kValues + 2 * n + 1]);
+      {
+        const float sum = warp_reduce_scatter<kWidth>(part, lane);
+        const int index = lane / kLanesPerValue;
+        if (lane % kLanesPerValue == 0 && index < V * kValues) warp_part[warp * V + index / kValues][index % kValues] = sum;
+      }
+      __syncthreads();
+      if (tid < 2 * N) totals[tid] = chunked_sum<kMaxWarps, true>(&warp_part[0][tid], kValues, vwarps);
+      __syncthreads();
 
-    // ---- softmax over the N candidates, computed identically by every thread ----
-    float rsigma[NMAX], logit[NMAX], prob[NMAX];
-    candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
-    if constexpr (!kNorm) {
-      // fp32 diagnostics: the values the mixture used.
-      if (tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
+      // ---- softmax over the N candidates, computed identically by every thread ----
+      float rsigma[NMAX], logit[NMAX];
+      candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
+      if constexpr (!kNorm) {
+        // fp32 diagnostics: the values the mixture used.
+        if (tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
+      }
+    } else {
+#pragma unroll
+      for (int n = 0; n < NMAX; ++n) prob[n] = single_candidate_rule(1, n, 0.0f);
     }
 
     // ---- the mixture, rounded to bf16 once (ops.md step 6) ----
