@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import attnres.integrations.sglang as plugin
-from attnres.integrations.sglang_table import DEFAULT_PATH, Table, TableError, table_dict
+from attnres.integrations import _common
+from attnres.integrations.sglang_table import SHIPPED_DIR, Shipped, Table, TableError, table_dict
 from helpers import ROOT
 
 B = torch.bfloat16
@@ -409,7 +410,11 @@ def test_table_buckets():
 
 
 def test_table_files(tmp_path):
-    Table.load(DEFAULT_PATH)  # the shipped table follows the schema
+    files = sorted(SHIPPED_DIR.glob("*.json"))
+    assert files
+    for shipped in files:  # the shipped tables follow the schema, each in the file named after its GPU
+        t = Table.load(shipped)
+        assert t.rows and _common.table_file("sglang", t.device) == shipped and t.hidden == 7168
     doc = table_dict("cpu", 64, [{"entry": "e", "tokens": 1, "candidates": 2, "use_attnres": True,
                                   "attnres_us": 1.0, "sglang_us": 2.0}], {"by": "test"}, "note")
     path = tmp_path / "t.json"
@@ -432,6 +437,29 @@ def test_table_from_environment(sgl, tmp_path, monkeypatch, caplog):
         plugin.set_table(path)
     assert "falling back to SGLang's functions everywhere" in caplog.text
     assert plugin._STATE.table.rows == []
+
+
+def test_shipped_tables_by_gpu(tmp_path, monkeypatch, caplog):
+    """Without ATTNRES_SGLANG_TABLE each call consults its GPU's shipped table; a GPU without one, or with a
+    broken one (a warning), runs SGLang's function."""
+    monkeypatch.setattr(_common, "TABLES_DIR", tmp_path)
+    (tmp_path / "sglang").mkdir()
+    doc = table_dict("GPU A", 64, [{"entry": "e", "tokens": 1, "candidates": 2, "use_attnres": True}], {}, "n")
+    (tmp_path / "sglang" / "GPU_A.json").write_text(json.dumps(doc))
+    (tmp_path / "sglang" / "GPU_B.json").write_text("{not json")
+    shipped = Shipped(plugin._table_error)
+    assert shipped.verdict("e", 1, 2, 64, "GPU A") is None
+    assert shipped.verdict("e", 1, 3, 64, "GPU A") == "table: e not measured at N = 3"
+    assert shipped.verdict("e", 1, 2, 64, "GPU C") == _common.NOT_MEASURED_HERE
+    with caplog.at_level(logging.WARNING, logger=plugin.__name__):
+        assert shipped.verdict("e", 1, 2, 64, "GPU B") == "table: not measured (empty table)"
+    assert "falling back to SGLang's functions everywhere" in caplog.text
+
+
+def test_register_installs_the_shipped_tables(sgl, monkeypatch):
+    monkeypatch.delenv(plugin.ENV_TABLE, raising=False)
+    plugin.register()
+    assert isinstance(plugin._STATE.table, Shipped) and plugin.stats()["table"] == str(SHIPPED_DIR)
 
 
 @pytest.mark.parametrize("value,warns", [("0", False), ("no", True)])

@@ -301,24 +301,47 @@ def test_table_decisions():
     assert t.decide("mix", 1, 3, 64, "cpu") is not None
 
 
-def test_shipped_table_names_its_gpu_and_falls_back_elsewhere(fake_vllm):
-    """The shipped table (bench_vllm.py table) follows the schema, was measured on one named GPU at Kimi K3's width,
-    lists only known sites, token counts it measured and N in 1..9; a call on any other device (here the CPU)
-    runs vLLM's own function."""
-    data = json.loads(plugin.TABLE_PATH.read_text())
-    assert data["schema"] == 1 and data["hidden"] == 7168 and data["vllm"] == "0.33.0"
-    assert isinstance(data["device"], str) and data["device"]
+def test_shipped_tables_name_their_gpu_and_fall_back_elsewhere(fake_vllm):
+    """The shipped tables (bench_vllm.py table), one file per GPU named after it, follow the schema, were measured
+    at Kimi K3's width, list only known sites, token counts they measured and N in 1..9; a call on a GPU without
+    a file (here the CPU) runs vLLM's own function."""
+    files = sorted(_common.table_file("vllm", "x").parent.glob("*.json"))
+    assert files
     sites = {plugin.site(d, n, w) for d in (False, True) for n in (False, True) for w in (False, True)}
-    assert set(data["faster"]) <= sites
-    for per in data["faster"].values():
-        assert {int(t) for t in per} <= set(data["tokens"])
-        assert all(set(ns) <= set(range(1, 10)) for ns in per.values())
+    for path in files:
+        data = json.loads(path.read_text())
+        assert data["schema"] == 1 and data["hidden"] == 7168 and data["vllm"] == "0.33.0"
+        assert isinstance(data["device"], str) and _common.table_file("vllm", data["device"]) == path
+        assert set(data["faster"]) <= sites
+        for per in data["faster"].values():
+            assert {int(t) for t in per} <= set(data["tokens"])
+            assert all(set(ns) <= set(range(1, 10)) for ns in per.values())
+        table = _common.Table.load(path)
+        assert table.decide("add_rmsnorm", 1, 2, 7168, data["device"]) is None  # decode: served everywhere
     plugin.register()
-    plugin.SETTINGS.table = None  # load the shipped file
+    plugin.SETTINGS.table = None  # the shipped tables
     x = _inputs()
     out, _, _ = _call(fake_vllm.ops.attn_res, x)
     assert torch.equal(out, _call(reference_attn_res, x)[0])
-    assert plugin.FALLBACKS.reasons == {"table: measured on another GPU": 1} and plugin.FALLBACKS.served == 0
+    assert plugin.FALLBACKS.reasons == {_common.NOT_MEASURED_HERE: 1} and plugin.FALLBACKS.served == 0
+
+
+def test_table_file_names():
+    assert _common.table_file("vllm", "NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+    assert _common.table_file("sglang", "NVIDIA H200").relative_to(_common.TABLES_DIR).as_posix() == \
+        "sglang/NVIDIA_H200.json"
+    assert _common.table_file("vllm", " a/../b ").name == "a_b.json"  # no path separator survives
+
+
+def test_shipped_tables_read_a_gpu_file_once(tmp_path, monkeypatch):
+    loads = []
+    monkeypatch.setattr(_common, "TABLES_DIR", tmp_path)
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "GPU_A.json").write_text("{}")
+    shipped = _common.ShippedTables("e", lambda p: loads.append(p) or p.name)
+    assert shipped.for_device("GPU A") == "GPU_A.json" and shipped.for_device("GPU A") == "GPU_A.json"
+    assert shipped.for_device("GPU B") is None
+    assert loads == [tmp_path / "e" / "GPU_A.json"]
 
 
 def test_unreadable_table_falls_back(tmp_path, fake_vllm):

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """SGLang's AttnRes functions against the attnres plugin's replacements, on the GPU (the H200), and the table the
-plugin consults (python/attnres/integrations/sglang_table.json; docs/integrations.md).
+plugin consults on that GPU (python/attnres/integrations/tables/sglang/<GPU>.json; docs/integrations.md).
 
 SGLang's own code runs: sglang/srt/layers/attn_residual.py and sglang/srt/plugins/hook_registry.py are taken from
 an unpacked SGLang wheel (--sglang-src, copied to the GPU host; tools/engines/sglang_prepare.sh copies
@@ -18,7 +18,7 @@ of SGLang's two timings: SGLang's path minus its norm cannot be slower than SGLa
 so the verdict does not rest on the stand-in norm's speed.
 
     python3 tools/engines/bench_sglang.py --sglang-src build/engines/sglang_ref --out $OUT/sglang.json \
-        --write-table python/attnres/integrations/sglang_table.json
+        --write-table python/attnres/integrations/tables/sglang/NVIDIA_H200.json
 """
 
 from __future__ import annotations
@@ -170,7 +170,10 @@ def main() -> int:
         print(f"bench_sglang: runtime tree in {root}")
         return 0
     sys.path.insert(0, str(root))
-    sys.path.insert(0, str(ROOT / "python"))
+    try:  # the installed attnres (a wheel); the checkout's python/ only without one (it has no extension module)
+        import attnres._C  # noqa: F401
+    except ImportError:
+        sys.path.insert(0, str(ROOT / "python"))
     import torch
 
     if not torch.cuda.is_available():

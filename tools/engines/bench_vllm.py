@@ -11,9 +11,9 @@ Three steps (docs/integrations.md, "Refreshing the table"):
                   functions on the same inputs, the max |delta| of the outputs, whether the side effects (prefix,
                   blocks) are bitwise equal, and the per-call time of each by CUDA-graph replay over rotating
                   input sets (attnres.bench.timing). --sites/--tokens/--candidates split a long sweep.
-  table F...      merges run files into python/attnres/integrations/vllm_table.json: a point is "faster" when
-                  attnres's median is below vLLM's by --margin (default 3%) and its side effects were bitwise
-                  equal. Points not run stay unmeasured (the plugin falls back there).
+  table F...      merges run files of one GPU into its table, python/attnres/integrations/tables/vllm/<GPU>.json:
+                  a point is "faster" when attnres's median is below vLLM's by --margin (default 3%) and its side
+                  effects were bitwise equal. Points not run stay unmeasured (the plugin falls back there).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "build" / "engines" / "vllm"
-TABLE = ROOT / "python" / "attnres" / "integrations" / "vllm_table.json"
 # common/mtp.py: vLLM's own test module (tools/engines/test_vllm.sh) imports it beside attn_res.
 REAL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm/models/kimi_k3/nvidia/ops/__init__.py",
               "vllm/models/kimi_k3/common/mtp.py")
@@ -102,10 +101,12 @@ def prepare(src: Path) -> None:
     print(f"prepared {STANDIN} (copy build/engines to the GPU host; run there with PYTHONPATH=build/engines/vllm and attnres installed)")
 
 
-def _inputs(T, NB, H, sets, gen, device):
+def _inputs(T, NB, H, sets, seed, device):
+    """`sets` input sets drawn on `device` (at T = 4096 a set is ~0.6 GB: drawn on the CPU it took seconds)."""
     import torch
+    gen = torch.Generator(device=device).manual_seed(seed)
     bf16 = dict(dtype=torch.bfloat16, device=device)
-    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen)).to(**bf16)  # noqa: E731
+    r = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=gen, device=device)).to(**bf16)  # noqa: E731
     weights = dict(norm_weight=(1 + r(H, scale=0.1).float()).to(**bf16), qk_weight=r(H, scale=0.05),
                    output_norm_weight=(1 + r(H, scale=0.1).float()).to(**bf16))
     return [dict(prefix=r(T, H), delta=r(T, H, scale=0.3), blocks=r(T, NB, H), **weights) for _ in range(sets)]
@@ -142,7 +143,6 @@ def run(args) -> None:
     results = {"device": name, "hidden": args.hidden, "bank_rows": args.bank_rows, "attnres": attnres.__version__,
                "torch": torch.__version__, "pdl": args.pdl, "points": []}
     plugin.SETTINGS.options = None if args.pdl else attnres.Options(pdl=False)
-    gen = torch.Generator().manual_seed(0)
     t0 = time.time()
     for site in args.sites:
         for T in args.tokens:
@@ -154,8 +154,7 @@ def run(args) -> None:
                     continue  # out of time: these points stay unmeasured (the plugin falls back there)
                 a = _args(site, K)
                 sets = rotating_sets(T * args.hidden * 2 * (2 + args.bank_rows))
-                base = _inputs(T, args.bank_rows, args.hidden, sets, gen.manual_seed(T * 100 + N), "cpu")
-                v_sets = [{k: t.to(dev) for k, t in s.items()} for s in base]
+                v_sets = _inputs(T, args.bank_rows, args.hidden, sets, T * 100 + N, dev)
                 p_sets = [_clone(s) for s in v_sets]
                 # numerics: one eager call of each on identical inputs
                 cv, cp = _clone(v_sets[0]), _clone(v_sets[0])
@@ -203,8 +202,14 @@ def table(args) -> None:
             "vllm": "0.33.0", "attnres": runs[0]["attnres"], "tokens": sorted(tokens),
             "faster": {s: {t: sorted(ns) for t, ns in sorted(per.items(), key=lambda x: int(x[0]))}
                        for s, per in faster.items()}}
-    Path(args.write).write_text(json.dumps(data, indent=1) + "\n")
-    print(f"wrote {args.write}: {sum(len(n) for per in faster.values() for n in per.values())} faster points "
+    from attnres.integrations import _common
+    # The checkout's copy of the table, wherever attnres is installed.
+    shipped = ROOT / "python" / "attnres" / "integrations" / \
+        _common.table_file("vllm", device).relative_to(Path(_common.__file__).parent)
+    write = Path(args.write) if args.write else shipped
+    write.parent.mkdir(parents=True, exist_ok=True)
+    write.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {write}: {sum(len(n) for per in faster.values() for n in per.values())} faster points "
           f"of {sum(len(r['points']) for r in runs)}")
 
 
@@ -227,7 +232,7 @@ def main(argv=None) -> None:
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     t.add_argument("--margin", type=float, default=0.03)
-    t.add_argument("--write", default=str(TABLE))
+    t.add_argument("--write", help="default: the GPU's shipped table, python/attnres/integrations/tables/vllm/<GPU>.json")
     args = ap.parse_args(argv)
     {"prepare": lambda: prepare(args.src), "run": lambda: run(args), "table": lambda: table(args)}[args.cmd]()
 

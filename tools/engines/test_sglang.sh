@@ -17,7 +17,9 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do tests+=("$1"); shift; done
 [ ${#tests[@]} -gt 0 ] || { echo "usage: $0 TEST_FILE... [-- pytest args...]" >&2; exit 2; }
 py="${PYTHON:-python3}"
 [ -x "$root/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && py="$root/.venv/bin/python"
-path="$root/python:$root/tools/engines"
+# The installed attnres (a wheel: python/ has no extension module and would shadow it); python/ only without one.
+path="$root/tools/engines"
+(cd / && "$py" -c "import attnres._C") 2>/dev/null || path="$root/python:$path"
 unset ATTNRES_SGLANG_SRC
 if [ "${ATTNRES_SGLANG_STANDIN:-0}" = 1 ] || ! "$py" -c "import sglang.srt.layers.attn_residual" 2>/dev/null; then
   src="$root/build/engines/sglang_ref"

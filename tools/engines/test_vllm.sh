@@ -13,7 +13,9 @@ test_file="${1:?usage: $0 PATH/TO/test_attn_res.py [pytest args...]}"
 shift
 py="${PYTHON:-python3}"
 [ -x "$root/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && py="$root/.venv/bin/python"
-path="$root/python:$root/tools/engines"
+# The installed attnres (a wheel: python/ has no extension module and would shadow it); python/ only without one.
+path="$root/tools/engines"
+(cd / && "$py" -c "import attnres._C") 2>/dev/null || path="$root/python:$path"
 if [ "${ATTNRES_VLLM_STANDIN:-0}" = 1 ] || ! "$py" -c "import vllm" 2>/dev/null; then
   [ -f "$root/build/engines/vllm/vllm/models/kimi_k3/nvidia/ops/attn_res.py" ] || {
     echo "test_vllm.sh: no vLLM: run tools/engines/bench_vllm.py prepare <vllm wheel> first" >&2; exit 2; }

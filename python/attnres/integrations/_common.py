@@ -1,8 +1,9 @@
-"""What the engine plugins share: the on/off switch, the per-reason fallback record and the measured table.
+"""What the engine plugins share: the on/off switch, the per-reason fallback record, the measured tables.
 
-The table says, per call form ("site"), token count and candidate count, whether attnres was measured faster
+A table says, per call form ("site"), token count and candidate count, whether attnres was measured faster
 than the engine's own function on one GPU; a point it does not name is served by the engine (never slower by
-construction, at the cost of missing unmeasured wins).
+construction, at the cost of missing unmeasured wins). The shipped tables are one file per engine and GPU,
+tables/<engine>/<GPU name>.json (table_file); a GPU without a file runs the engine's own function everywhere.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import threading
 from bisect import bisect_left
 from collections import Counter
 from pathlib import Path
 
 _OFF = {"0", "false", "off", "no"}
+TABLES_DIR = Path(__file__).with_name("tables")
+NOT_MEASURED_HERE = "table: not measured on this GPU"
 
 
 def switched_off(var: str) -> bool:
@@ -100,3 +104,26 @@ def table_from_json(path: Path, log: logging.Logger) -> Table:
     except Exception as e:  # a broken file must not stop the engine
         log.warning("attnres: cannot read the measured table %s (%s): every call falls back", path, e)
         return Table({"schema": 1})
+
+
+def table_file(engine: str, device: str) -> Path:
+    """The shipped table of `engine` for the GPU named `device` (torch.cuda.get_device_name): the name with every
+    run of characters other than letters and digits made one underscore, e.g. tables/vllm/NVIDIA_H200.json."""
+    return TABLES_DIR / engine / (re.sub(r"[^A-Za-z0-9]+", "_", device).strip("_") + ".json")
+
+
+class ShippedTables:
+    """The shipped tables of one engine, each read on its GPU's first call: `load(path)` returns the table (it
+    handles a broken file itself); a GPU without a file gets None (the engine serves every call there)."""
+
+    def __init__(self, engine: str, load):
+        self.engine, self._load = engine, load
+        self._lock = threading.Lock()
+        self._tables: dict[str, object] = {}
+
+    def for_device(self, device: str):
+        with self._lock:
+            if device not in self._tables:
+                path = table_file(self.engine, device)
+                self._tables[device] = self._load(path) if path.is_file() else None
+            return self._tables[device]

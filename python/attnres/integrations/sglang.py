@@ -17,7 +17,7 @@ snapshot_slot=nvb (row nvb of the same storage), res_weight = score_proj.weight,
 score_norm.weight/variance_epsilon, norm_weight/norm_eps = out_norm.weight/variance_epsilon.
 
 Turning it off: ATTNRES_SGLANG=0 (read once, when SGLang loads the plugin), or leave `attnres` out of SGLang's
-SGLANG_PLUGINS list. ATTNRES_SGLANG_TABLE=path replaces the shipped table.
+SGLANG_PLUGINS list. ATTNRES_SGLANG_TABLE=path replaces the shipped tables (one per GPU) with that one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections import Counter
 
 import torch
 
-from .sglang_table import DEFAULT_PATH, Table, TableError
+from .sglang_table import Shipped, Table, TableError
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _register() -> None:
     if missing:
         log.warning("attnres SGLang plugin not registered: %s lacks %s (another SGLang version?)", MODULE, missing)
         return
-    set_table(os.environ.get(ENV_TABLE) or DEFAULT_PATH)
+    set_table(os.environ.get(ENV_TABLE) or Shipped(_table_error))
     # The REPLACE hook never receives the original, so keep SGLang's functions for the fallback now: apply_hooks
     # has not run yet (it runs after every plugin registered).
     _STATE.module = module
@@ -114,9 +114,15 @@ def _register() -> None:
     for name in ENTRY_POINTS:
         HookRegistry.register(f"{MODULE}.{name}", HOOKS[name], HookType.REPLACE)
     _STATE.registered = True
+    table = _STATE.table
     log.info("attnres SGLang plugin registered on %s (%s); table %s: %s", MODULE, ", ".join(ENTRY_POINTS),
-             _STATE.table.source, f"{len(_STATE.table.rows)} rows measured on {_STATE.table.device}"
-             if _STATE.table.rows else "empty, every call falls back to SGLang's own function")
+             table.source, "one per GPU" if isinstance(table, Shipped) else
+             f"{len(table.rows)} rows measured on {table.device}" if table.rows else
+             "empty, every call falls back to SGLang's own function")
+
+
+def _table_error(e: TableError) -> None:
+    log.warning("attnres SGLang plugin: %s; falling back to SGLang's functions everywhere", e)
 
 
 def set_table(table) -> Table:
@@ -127,7 +133,7 @@ def set_table(table) -> Table:
         try:
             table = Table.load(table)
         except TableError as e:
-            log.warning("attnres SGLang plugin: %s; falling back to SGLang's functions everywhere", e)
+            _table_error(e)
             table = Table.empty(str(table))
     _STATE.table = table
     return previous

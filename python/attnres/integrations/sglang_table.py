@@ -1,6 +1,7 @@
-"""The measured table the SGLang plugin consults before it replaces a call (docs/integrations.md).
+"""The measured tables the SGLang plugin consults before it replaces a call (docs/integrations.md).
 
-A row says, for one entry point of sglang.srt.layers.attn_residual, one token count T and one candidate count
+One table per GPU (tables/sglang/<GPU name>.json, _common.table_file; a GPU without one runs SGLang's function
+everywhere). A row says, for one entry point of sglang.srt.layers.attn_residual, one token count T and one candidate count
 N = nvb + 1, whether attnres was measured faster than SGLang's own function on the table's device at the
 table's hidden size. The plugin takes attnres only where the table says so, so an empty or foreign table
 means SGLang's function everywhere ("never slower than the engine's own path" rests on measurements only).
@@ -17,8 +18,11 @@ import json
 import math
 from pathlib import Path
 
+from ._common import NOT_MEASURED_HERE, TABLES_DIR, ShippedTables
+
 SCHEMA = 1
-DEFAULT_PATH = Path(__file__).with_name("sglang_table.json")
+ENGINE = "sglang"
+SHIPPED_DIR = TABLES_DIR / ENGINE
 _ROW_KEYS = ("entry", "tokens", "candidates", "use_attnres")
 
 
@@ -58,7 +62,7 @@ class Table:
         return cls(device, hidden, rows, source)
 
     @classmethod
-    def load(cls, path: str | Path = DEFAULT_PATH) -> "Table":
+    def load(cls, path: str | Path) -> "Table":
         try:
             data = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
@@ -87,6 +91,29 @@ class Table:
         else:
             ok, where = faster[i - 1] and faster[i], f"{ts[i - 1]} < T < {ts[i]}"
         return None if ok else f"table: SGLang not measured slower at {where}, N = {candidates}"
+
+
+class Shipped:
+    """The shipped tables: each call's verdict comes from the table of its GPU, read on that GPU's first call (a
+    malformed file reads as the empty table: SGLang's function everywhere on that GPU)."""
+
+    source = str(SHIPPED_DIR)
+
+    def __init__(self, on_error=None):
+        def load(path):
+            try:
+                return Table.load(path)
+            except TableError as e:
+                if on_error is not None:
+                    on_error(e)
+                return Table.empty(str(path))
+        self._tables = ShippedTables(ENGINE, load)
+
+    def verdict(self, entry: str, tokens: int, candidates: int, hidden: int, device: str) -> str | None:
+        table = self._tables.for_device(device)
+        if table is None:
+            return NOT_MEASURED_HERE
+        return table.verdict(entry, tokens, candidates, hidden, device)
 
 
 def _count(v) -> bool:

@@ -31,7 +31,8 @@ import torch
 import attnres
 from attnres import _C
 
-from ._common import Fallbacks, Table, switched_off, table_from_json
+from ._common import (NOT_MEASURED_HERE, Fallbacks, ShippedTables, Table, switched_off, table_file,
+                      table_from_json)
 
 log = logging.getLogger("attnres.integrations.vllm")
 
@@ -42,7 +43,7 @@ VLLM_VERSION = "0.33.0"
 OPS_MODULE = "vllm.models.kimi_k3.nvidia.ops.attn_res"
 OPS_PACKAGE = "vllm.models.kimi_k3.nvidia.ops"
 MODEL_MODULE = "vllm.models.kimi_k3.nvidia.model"
-TABLE_PATH = Path(__file__).with_name("vllm_table.json")
+ENGINE = "vllm"
 
 FALLBACKS = Fallbacks(log)
 
@@ -50,8 +51,9 @@ FALLBACKS = Fallbacks(log)
 @dataclass
 class Settings:
     """Process state of the plugin. allow_cpu (tests only, never set by register): serve CPU tensors through
-    attnres's CPU backend so the mechanics can be tested without a GPU; table: None = load TABLE_PATH on first
-    use; options: the attnres.Options every served call runs with (None = the library's defaults)."""
+    attnres's CPU backend so the mechanics can be tested without a GPU; table: None = the shipped table of the
+    call's GPU (table_file), else this one for every call; options: the attnres.Options every served call runs
+    with (None = the library's defaults)."""
     allow_cpu: bool = False
     table: Table | None = None
     options: attnres.Options | None = None
@@ -71,13 +73,22 @@ def site(has_delta: bool, has_norm: bool, writes: bool) -> str:
     return ("add_" if has_delta else "") + ("rmsnorm" if has_norm else "mix") + ("_write" if writes else "")
 
 
-def _table() -> Table:
-    if SETTINGS.table is None:
-        SETTINGS.table = table_from_json(TABLE_PATH, log)
-        if SETTINGS.table.empty:
-            log.info("attnres: the vLLM table (%s) holds no measurement: every attn_res call runs vLLM's own "
-                     "function (run tools/engines/bench_vllm.py on this GPU to fill it)", TABLE_PATH)
-    return SETTINGS.table
+def _load_shipped(path: Path) -> Table:
+    table = table_from_json(path, log)
+    if table.empty:
+        log.info("attnres: the vLLM table %s holds no measurement: every attn_res call runs vLLM's own function",
+                 path)
+    return table
+
+
+SHIPPED = ShippedTables(ENGINE, _load_shipped)
+
+
+def _decide(s: str, tokens: int, candidates: int, hidden: int, device: str) -> str | None:
+    table = SETTINGS.table if SETTINGS.table is not None else SHIPPED.for_device(device)
+    if table is None:
+        return NOT_MEASURED_HERE  # run tools/engines/bench_vllm.py on this GPU to measure it
+    return table.decide(s, tokens, candidates, hidden, device)
 
 
 def _device_reason(t: torch.Tensor) -> tuple[str | None, str]:
@@ -162,7 +173,7 @@ def _route(prefix, delta, blocks, norm_weight, qk_weight, output_norm_weight, nu
     if reason is not None:
         return reason, f"T={prefix.shape[0]} num_blocks={nb} block_write_idx={bw}"
     s = site(delta is not None, output_norm_weight is not None, bw >= 0)
-    reason = _table().decide(s, prefix.shape[0], nb + 1, prefix.shape[1], device)
+    reason = _decide(s, prefix.shape[0], nb + 1, prefix.shape[1], device)
     return reason, f"site={s} T={prefix.shape[0]} N={nb + 1} H={prefix.shape[1]} device={device}"
 
 
@@ -236,8 +247,8 @@ def register() -> None:
             if current is not attn_res:  # vLLM may call register() more than once per process
                 _original = current
             _bind(attn_res)
-        log.info("attnres: vLLM attn_res rebound to attnres (served where %s says attnres is faster; "
-                 "%s=0 turns this off)", TABLE_PATH.name, ENV_SWITCH)
+        log.info("attnres: vLLM attn_res rebound to attnres (served where the GPU's table %s says attnres is "
+                 "faster; %s=0 turns this off)", table_file(ENGINE, "GPU").parent, ENV_SWITCH)
     except Exception as e:
         log.warning("attnres: vLLM plugin not active: %s: %s", type(e).__name__, e)
 
