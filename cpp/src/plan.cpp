@@ -170,7 +170,8 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
   if (o.topology == Topology::automatic)
     return !automatic_streams(q, dev, o) &&
            tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden, q.add,
-                                                 persistent_blocks_per_sm(q, dev, o) == 2) &&
+                                                 persistent_blocks_per_sm(q, dev, o) == 2,
+                                                 tuning::topology_grid(dev.name)) &&
            persistent_decline(q).empty();
   return false;
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 
 #include "attnres/limits.hpp"
 
@@ -125,6 +126,13 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // cluster of more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
 constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
+// The GPU whose grid the thresholds come from: the H100's where the device's name says H100 (the persistent kernel
+// is weaker there: it wins only at N = 5..7 with the addend, h100_308285c_topology*.json), the H200's on every
+// other GPU.
+enum class TopologyGrid { h200, h100 };
+inline TopologyGrid topology_grid(std::string_view device_name) {
+  return device_name.rfind("NVIDIA H100", 0) == 0 ? TopologyGrid::h100 : TopologyGrid::h200;
+}
 // By N = 1 .. 16 (index N - 1), H > 4096, with one addend (h200_80e29ff_topology.json, h200_4dd1abb_topology.json).
 constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
     4096, 4096, 2048, 4096, 128, 256, 256, 256, 512, 256, kNeverPersistent, kNeverPersistent,
@@ -133,17 +141,30 @@ constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
 constexpr int64_t kAutomaticPersistentMinTokensNoAddByN[kMaxCandidates] = {
     4096, 4096, 256, 512, 128, 128, 256, 256, 512, 256, 256, 256,
     256, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+// The H100's (h100_308285c_topology.json, h100_308285c_topology_noadd.json): from the T where the persistent kernel
+// is faster or within 3 % at every larger measured T.
+constexpr int64_t kAutomaticPersistentMinTokensByNH100[kMaxCandidates] = {
+    kNeverPersistent, kNeverPersistent, 2048, kNeverPersistent, 128, 128, 512, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
+    kNeverPersistent, kNeverPersistent, 2048, kNeverPersistent, 128, 128, 128, 1024,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
-constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, bool add) {
+constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, bool add,
+                                                  TopologyGrid grid = TopologyGrid::h200) {
   if (candidates < 1 || candidates > kMaxCandidates) return kNeverPersistent;
-  const int64_t* table = add ? kAutomaticPersistentMinTokensByN : kAutomaticPersistentMinTokensNoAddByN;
+  const bool h100 = grid == TopologyGrid::h100;
+  const int64_t* table = add ? (h100 ? kAutomaticPersistentMinTokensByNH100 : kAutomaticPersistentMinTokensByN)
+                             : (h100 ? kAutomaticPersistentMinTokensNoAddByNH100 : kAutomaticPersistentMinTokensNoAddByN);
   const int64_t measured = table[candidates - 1];
   if (measured == kNeverPersistent || hidden >= kAutomaticPersistentMeasuredMinHidden) return measured;
   return kAutomaticPersistentMinTokens;
 }
 constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden, bool add,
-                                            bool two_blocks_per_sm) {
-  return two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden, add);
+                                            bool two_blocks_per_sm, TopologyGrid grid = TopologyGrid::h200) {
+  return two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden, add, grid);
 }
 
 }  // namespace attnres::tuning

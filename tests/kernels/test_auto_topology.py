@@ -1,14 +1,14 @@
 """The automatic topology (the default Options): the kernel changes with T, the bits of a token do not.
 
 With `Options()` a call with one addend or none runs on the persistent kernel where its plan takes two blocks per
-SM (H = 7168 does) from the T the H200 measured it faster for the call's N (tuning::automatic_persistent_min_tokens:
-at H = 7168 T >= 512 for N = 9 with or without the addend; the other N per op in docs/ops/common.md), smaller
-calls on split_k (docs/ops/common.md, routing); every CUDA kernel reduces in split_k's
-order, so a token's `updated` and `output` must be the same bits whatever T the call has. Checked at T = 1 ...
-16384 for N = 9 (across the crossover: 511, 512, 513) against the 16384-token call, with and without the addend,
-on tokens taken from the start, the middle and the end of the batch; the persistent calls are also checked
-against split_k forced on the same tokens, and so are the default's calls at N = 6 and 12 around their
-crossovers.
+SM (H = 7168 does) from the T its GPU's grid measured it faster for the call's N (tuning::automatic_persistent_min_tokens:
+on the H200 at H = 7168 T >= 512 for N = 9 with or without the addend, on the H100 T >= 128 for N = 6; the other N
+per op and GPU in docs/ops/common.md), smaller calls on split_k (docs/ops/common.md, routing); every CUDA kernel
+reduces in split_k's order, so a token's `updated` and `output` must be the same bits whatever T the call has.
+Checked at T = 1 ... 16384 for that N (across the crossover: T - 1, T, T + 1) against the 16384-token call, with
+and without the addend, on tokens taken from the start, the middle and the end of the batch; the persistent calls
+are also checked against split_k forced on the same tokens, and so are the default's calls at two more N around
+their crossovers (one where the persistent kernel never runs).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from helpers import assert_same_bits
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
-H, N, T_MAX = 7168, 9, 16384
+# The GPU's grid (tuning::topology_grid): the H100's persistent kernel never wins at N = 9.
+H100 = torch.cuda.is_available() and torch.cuda.get_device_name().startswith("NVIDIA H100")
+H, N, T_MAX = 7168, (6 if H100 else 9), 16384
 BF16 = torch.bfloat16
 
 
@@ -44,8 +46,8 @@ def _call(b, lo: int, hi: int, add: bool):
     return [attnres.attn_res_rmsnorm(b["prefix"][lo:hi], b["bank"][:, lo:hi], *w)]
 
 
-CROSSOVER = 512  # N = 9 at H = 7168
-T_GRID = (1, 2, 31, 128, CROSSOVER - 1, CROSSOVER, CROSSOVER + 1, 1000, 4096, 8192, T_MAX - 1)
+CROSSOVER = 128 if H100 else 512  # N = 6 on the H100, 9 on the H200, at H = 7168
+T_GRID = tuple(sorted({1, 2, 31, 128, CROSSOVER - 1, CROSSOVER, CROSSOVER + 1, 1000, 4096, 8192, T_MAX - 1}))
 
 
 def _kernel_at(op: str, T: int, add: bool) -> str:
@@ -84,15 +86,16 @@ def test_persistent_default_matches_forced_split_k_across_the_crossover(batch, a
             assert_same_bits(g, f, f"{op} output #{i} at T = {T}: default (persistent) vs split_k")
 
 
-@pytest.mark.parametrize("n, crossover", [(6, 256), (12, None)], ids=["N6", "N12"])
+@pytest.mark.parametrize("n, crossover", [(7, 512), (12, None)] if H100 else [(6, 256), (12, None)],
+                         ids=["below", "never"])
 def test_default_matches_forced_split_k_at_other_n(batch, n, crossover):
-    """Below the top of a bucket (N = 6) the default takes the persistent kernel from T = 256; at N = 12 never.
-    Either way the bits are split_k's."""
+    """Below the top of a bucket (N = 6 on the H200, 7 on the H100) the default takes the persistent kernel from
+    its crossover; at N = 12 never. Either way the bits are split_k's."""
     g = torch.Generator(device="cuda").manual_seed(n)
     bank = (2.0 * torch.randn(n - 1, 1024, H, generator=g, device="cuda")).to(BF16)
     w = (batch["res_w"], batch["rms_w"], batch["norm_w"], 1e-5, 1e-5)
     split_k = attnres.Options(kernel="split_k")
-    for T in (255, 256, 1024):
+    for T in ((crossover - 1, crossover) if crossover else (255, 256)) + (1024,):
         kernel = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=n, hidden=H, device="cuda", add=True).kernel
         assert kernel == ("persistent" if crossover is not None and T >= crossover else "split_k"), (n, T, kernel)
         args = (batch["prefix"][:T], batch["add"][:T], bank[:, :T], *w)

@@ -109,23 +109,32 @@ def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(o
         assert plan(4096, 9, 7168).kernel == "persistent"
 
 
+# The measured thresholds by GPU and op (None: never), N = 1..16 (cpp/src/plan_tuning.hpp).
+MEASURED = {
+    ("h200", True): {N: None if N > 10 else {3: 2048, 5: 128, 9: 512}.get(N, 4096 if N <= 4 else 256)
+                     for N in range(1, 17)},
+    ("h200", False): {N: None if N > 13 else {1: 4096, 2: 4096, 4: 512, 5: 128, 6: 128, 9: 512}.get(N, 256)
+                      for N in range(1, 17)},
+    ("h100", True): {N: {3: 2048, 5: 128, 6: 128, 7: 512}.get(N) for N in range(1, 17)},
+    ("h100", False): {N: {3: 2048, 5: 128, 6: 128, 7: 128, 8: 1024}.get(N) for N in range(1, 17)},
+}
+
+
+@pytest.mark.parametrize("gpu", ["h200", "h100"])
 @pytest.mark.parametrize("H", [7168, 4096])
 @pytest.mark.parametrize("op", ["attn_res_add_rmsnorm", "attn_res_rmsnorm"], ids=["add", "noadd"])
-def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op):
-    """One addend or none, two blocks per SM: persistent from the T measured for N and the op (at H > 4096;
-    T >= 4096 at H <= 4096), never for N > 10 with the addend or N > 13 without, with two addends or with a
-    snapshot write; the streaming single_cta first for N <= 2 at H > 4096."""
+def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op, gpu):
+    """One addend or none, two blocks per SM: persistent from the T its GPU's grid measured for N and the op (at
+    H > 4096; T >= 4096 at H <= 4096), never where that grid never measured it faster, with two addends or with
+    a snapshot write; the streaming single_cta first for N <= 2 at H > 4096."""
     add = op == "attn_res_add_rmsnorm"
 
     def kernel(T, N, **flags):
-        return attnres.plan(op, tokens=T, candidates=N, hidden=H, device="h200",
+        return attnres.plan(op, tokens=T, candidates=N, hidden=H, device=gpu,
                             **({"add": True} if add else {}) | flags).kernel
     big = H > 4096
     for N in range(1, 17):
-        if add:
-            measured = None if N > 10 else {3: 2048, 5: 128, 9: 512}.get(N, 4096 if N <= 4 else 256)
-        else:  # the no-addend grid
-            measured = None if N > 13 else {1: 4096, 2: 4096, 4: 512, 5: 128, 6: 128, 9: 512}.get(N, 256)
+        measured = MEASURED[gpu, add][N]
         start = None if measured is None else measured if big else 4096
         for T in (1, 127, 128, 255, 256, 511, 512, 1024, 2047, 2048, 4095, 4096, 16384):
             want = "persistent" if start is not None and T >= start else "split_k"
