@@ -75,19 +75,6 @@ constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t
 // What the plan leaves of the block's shared memory for the kernel's static arrays (~1.3 KB in the one-block
 // instances of buckets 2 and 4: the per-warp partial sums).
 constexpr int64_t kStreamStaticSharedBytes = 4096;
-// Blocks per SM the instance's registers are bounded for (__launch_bounds__ min blocks): two where two blocks'
-// buffers of the largest block (kSingleCtaMaxThreads / kStreamVectors threads) fit one SM's shared memory, one
-// otherwise. A block holds one token in flight while it reduces the previous one, and its step is a serial
-// chain of barriers and block sums: a second block per SM keeps a second token in flight and overlaps the two
-// chains. Bucket 2 without the second addend fits (64 registers, a few spilled words); bucket 4 (128
-// registers, ptxas -v) would spill most of its rows, and the planner streams only N <= 2 automatically.
-constexpr int64_t kStreamSmemPerSm = 228 * 1024;  // sm_90: shared memory per SM (227 KB usable by one block)
-constexpr int stream_min_blocks(int32_t bucket, bool add, bool add2) {
-  return bucket <= 2 && 2 * (stream_smem_bytes(bucket, add, add2, kSingleCtaMaxThreads / kStreamVectors) +
-                             kStreamStaticSharedBytes) <= kStreamSmemPerSm
-             ? 2
-             : 1;
-}
 
 // split_k cluster size: enough blocks that each owns at most kSplitKBlockVectors vectors (1024 elements),
 // capped at the portable 8. A function of H only, never of T: a token's result must not depend on how many

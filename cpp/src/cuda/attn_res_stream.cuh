@@ -43,9 +43,11 @@ namespace attnres::detail {
 constexpr int kStreamVectors = tuning::kStreamVectors;
 constexpr int kStreamMaxThreads = kSingleCtaMaxThreads / kStreamVectors;
 
+// Registers bounded for one block per SM (90-120 at bucket 2, ptxas -v; one 448-thread block at H = 7168): two
+// blocks (64 registers, a few words spilled) measured 10-15 % slower with the addend and 3-5 % at N = 2 without,
+// 5-9 % faster only at N = 1 without (H100, same-run A/B, h100_6dfd1bd_stream_blocks_ab.txt).
 template <int NMAX, Mode MODE>
-__global__ void __launch_bounds__(kStreamMaxThreads, tuning::stream_min_blocks(NMAX, mode_has_add(MODE),
-                                                                                mode_has_add2(MODE)))
+__global__ void __launch_bounds__(kStreamMaxThreads, 1)
     attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {
   constexpr int V = kStreamVectors;
   constexpr bool kNorm = mode_has_norm(MODE);
