@@ -100,8 +100,8 @@ constexpr int32_t split_k_chunk(int64_t hidden) {
 }
 constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hidden) + 31) / 32; }
 
-// The automatic topology: the persistent kernel where it was measured faster than split_k (the H200's grid,
-// H = 7168: docs/performance.md) — on the two-blocks-per-SM geometry (the persistent plan's for the call:
+// The automatic topology: the persistent kernel where it was measured faster than split_k (each GPU's grid,
+// topology_grid, H = 7168: docs/performance.md) — on the two-blocks-per-SM geometry (the persistent plan's for the call:
 // `two_blocks_per_sm`; one block per SM measured slower than split_k everywhere) and
 // T >= automatic_persistent_min_tokens(N, H, add); the per-token kernels everywhere else. The bits are the same
 // either way (both reduce in split_k's order). The persistent kernel's time grows with N (it streams every row),
@@ -114,8 +114,7 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
 // The GPU whose grid the thresholds come from: the H100's where the device's name says H100 (the persistent kernel
-// is weaker there: it wins only at N = 5..7 with the addend, h100_308285c_topology*.json), the H200's on every
-// other GPU.
+// is weaker there: it wins only at N = 3 and 5..8, h100_308285c_topology*.json), the H200's on every other GPU.
 enum class TopologyGrid { h200, h100 };
 inline TopologyGrid topology_grid(std::string_view device_name) {
   return device_name.rfind("NVIDIA H100", 0) == 0 ? TopologyGrid::h100 : TopologyGrid::h200;
