@@ -26,7 +26,7 @@ void cuda_attn_res(AttnResOp op, const AttnResArgs& args, const Plan& plan);
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& args, const Plan& plan);
 // The blocks per SM of the plan's persistent instance that the occupancy calculator finds resident (after the
 // instance's shared-memory opt-in); 0 when no instance matches the plan. Host-side, legal during a capture.
-int cuda_attn_res_persistent_resident(const AttnResArgs& args, const Plan& plan);
+int cuda_attn_res_persistent_resident(AttnResOp op, const AttnResArgs& args, const Plan& plan);
 void cuda_moe_finalize(const MoeFinalizeArgs& args, const MoeFinalizePlan& plan);
 // The one-shot exchange (cuda/all_reduce_kernel.cu) and the fused finalize (cuda/moe_finalize_all_reduce_kernel.cu).
 void cuda_all_reduce(const AllReduceArgs& args, const AllReducePlan& plan);

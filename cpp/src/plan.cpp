@@ -162,8 +162,9 @@ int32_t persistent_blocks_per_sm(const PlanQuery& q, const DeviceInfo& dev, cons
 
 bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (q.op == AttnResOp::attn_res_add_rmsnorm_persistent) return true;
-  if (o.kernel == KernelKind::persistent) return true;  // forced: declined below for attn_res
-  if (q.op == AttnResOp::attn_res) return false;  // only the per-token kernels emit the fp32 diagnostics
+  if (o.kernel == KernelKind::persistent) return true;  // forced: declined below for the diagnostics
+  // Only the per-token kernels emit attn_res's fp32 diagnostics: such a call keeps to them under any topology.
+  if (q.op == AttnResOp::attn_res && q.diagnostics) return false;
   if (o.kernel == KernelKind::single_cta || o.kernel == KernelKind::split_k) return false;
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
@@ -176,15 +177,15 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
   return false;
 }
 
-// The persistent kernel streams rows for whole tokens and writes updated + output only.
+// The persistent kernel streams rows for whole tokens and writes updated, output and the snapshot row only.
 std::string persistent_decline(const PlanQuery& q) {
-  if (q.op == AttnResOp::attn_res)
-    return "the persistent kernel does not emit the fp32 diagnostics: attn_res runs on the per-token kernels";
+  if (q.op == AttnResOp::attn_res && q.diagnostics)
+    return "the persistent kernel does not emit the fp32 diagnostics: attn_res with diagnostics runs on the "
+           "per-token kernels";
   if (q.add2)
     return "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
            "layer_residual_add2 and call the one-addend op";
   if (q.tap) return "the persistent kernel does not emit the pre-norm mixture tap";
-  if (q.snapshot) return "the persistent kernel does not write snapshot rows";
   return {};
 }
 

@@ -12,14 +12,14 @@ thread_local detail::LaunchRecord launch_record;
 
 #if ATTNRES_WITH_CUDA
 // The blocks per SM of the persistent plan's instance that the occupancy calculator finds resident on the
-// queried device. The launcher picks the instance from the FP8 mode, whether an addend is streamed and the
-// device, which is all this probe carries.
+// queried device. The launcher picks the instance from the op (normed or not), the FP8 mode, whether an addend
+// is streamed and the device, which is all this probe carries.
 int resident_blocks_per_sm(const PlanQuery& q, const DeviceInfo& dev, const Plan& p) {
   AttnResArgs probe;
   probe.fp8 = q.fp8;
   probe.layer_residual.device = dev.device;
   if (q.add) probe.layer_residual_add.ndim = 2;  // present(): the ADD instance
-  return detail::cuda_attn_res_persistent_resident(probe, p);
+  return detail::cuda_attn_res_persistent_resident(q.op, probe, p);
 }
 #endif
 

@@ -493,7 +493,7 @@ TEST(GpuPersistent, AutomaticTwoBlocksAreResident) {
       Stream stream;
       DeviceMirror mirror(before);
       const AttnResArgs a = mirror.args(stream.get());
-      EXPECT_GE(attnres::detail::cuda_attn_res_persistent_resident(a, planned), 2);
+      EXPECT_GE(attnres::detail::cuda_attn_res_persistent_resident(P, a, planned), 2);
       EXPECT_EQ(attnres::plan(P, a, Options{}).blocks_per_sm, 2);
       ++checked;
     }

@@ -449,8 +449,7 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   const Plan a2 = attnres::plan(q, h200(), Options{});
   ASSERT_TRUE(a2.accepted()) << a2.decline;
   EXPECT_EQ(a2.kernel, KernelKind::split_k);
-  // Without the addend: the same crossover; with a snapshot write (which the persistent kernel declines),
-  // per-token at every T.
+  // Without the addend: the same crossover, with or without a snapshot write.
   const auto bare = [&](int64_t T, bool snapshot = false) {
     PlanQuery b = query(AttnResOp::attn_res_rmsnorm, T, 9, 7168, false);
     b.snapshot = snapshot;
@@ -461,7 +460,8 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   EXPECT_EQ(bare(16384), KernelKind::persistent);
   EXPECT_EQ(bare(512), KernelKind::persistent);
   EXPECT_EQ(bare(511), KernelKind::split_k);
-  EXPECT_EQ(bare(16384, true), KernelKind::split_k);
+  EXPECT_EQ(bare(16384, true), KernelKind::persistent);
+  EXPECT_EQ(bare(511, true), KernelKind::split_k);
 }
 
 TEST(PlanPersistent, LayoutArithmetic) {
@@ -513,6 +513,17 @@ TEST(PlanPersistent, AutomaticTopologyRoutesByTheMeasuredCrossover) {
   q.tap = true;
   EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
   q.tap = false;
-  q.snapshot = true;
-  EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  q.snapshot = true;  // the persistent kernel writes the snapshot row
+  EXPECT_EQ(attnres::plan(q, attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  // attn_res without the fp32 diagnostics takes the crossover of its addend's table; with them, per-token.
+  attnres::PlanQuery m = attnres_test::query(attnres::AttnResOp::attn_res, big, 9, 7168, false);
+  EXPECT_EQ(attnres::plan(m, attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
+  m.tokens = 511;
+  EXPECT_EQ(attnres::plan(m, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  m.tokens = big;
+  m.diagnostics = true;
+  EXPECT_EQ(attnres::plan(m, attnres_test::h200(), automatic).kernel, attnres::KernelKind::split_k);
+  m = attnres_test::query(attnres::AttnResOp::attn_res, 2048, 3, 7168, true);
+  m.snapshot = true;
+  EXPECT_EQ(attnres::plan(m, attnres_test::h200(), automatic).kernel, attnres::KernelKind::persistent);
 }

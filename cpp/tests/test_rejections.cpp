@@ -497,8 +497,6 @@ std::vector<Decline> declines() {
        "call the one-addend op"},
       {"PersistentTopologyTap", N, with([](Options& o) { o.topology = Topology::persistent; }), same, true,
        "the persistent kernel does not emit the pre-norm mixture tap"},
-      {"PersistentTopologySnapshot", A, with([](Options& o) { o.topology = Topology::persistent; }),
-       [](Config& c) { c.add2 = false; c.tap = false; }, true, "the persistent kernel does not write snapshot rows"},
       {"SplitTopologyAboveCeilingAdd2", A,
        with([](Options& o) { o.topology = Topology::split; o.split_max_tokens = 1; }),
        [](Config& c) { c.tap = false; c.snapshot_slot = -1; }, true, "the persistent kernel declines layer_residual_add2"},

@@ -126,7 +126,8 @@ MEASURED = {
 def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op, gpu):
     """One addend or none, two blocks per SM: persistent from the T its GPU's grid measured for N and the op (at
     H > 4096; T >= 4096 at H <= 4096), never where that grid never measured it faster, with two addends or with
-    a snapshot write; the streaming single_cta first for N <= 2 at H > 4096."""
+    the tap; the streaming single_cta first for N <= 2 at H > 4096. A snapshot write changes nothing, and
+    attn_res without the fp32 diagnostics (the same addend) takes the same kernel."""
     add = op == "attn_res_add_rmsnorm"
 
     def kernel(T, N, **flags):
@@ -141,5 +142,8 @@ def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op, gpu):
             if N <= 2 and big and T >= 256:
                 want = "single_cta"
             assert kernel(T, N) == want, (H, N, T)
-            declined = {"add2": True} if add else {"snapshot": True}
+            assert kernel(T, N, snapshot=True) == want, (H, N, T)
+            declined = {"add2": True} if add else {"tap": True}
             assert kernel(T, N, **declined) in ("split_k", "single_cta"), (H, N, T)
+            mix = attnres.plan("attn_res", tokens=T, candidates=N, hidden=H, device=gpu, add=add)
+            assert mix.kernel == want, (H, N, T, mix)

@@ -19,9 +19,8 @@ FAST_H = (2304, 4096, 7168, 8192)
 PERSISTENT_ADD2 = ("the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
                    "layer_residual_add2 and call the one-addend op")
 PERSISTENT_TAP = "the persistent kernel does not emit the pre-norm mixture tap"
-PERSISTENT_SNAPSHOT = "the persistent kernel does not write snapshot rows"
-ATTN_RES_NOT_PERSISTENT = ("the persistent kernel does not emit the fp32 diagnostics: attn_res runs on the per-token "
-                           "kernels")
+ATTN_RES_NOT_PERSISTENT = ("the persistent kernel does not emit the fp32 diagnostics: attn_res with diagnostics "
+                           "runs on the per-token kernels")
 MAX_CLUSTER = max_cluster_python()
 
 
@@ -83,7 +82,9 @@ def test_cuda_device_without_the_backend_is_declined():
 @pytest.mark.parametrize("options", [attnres.Options(topology="persistent"), attnres.Options(kernel="persistent"),
                                      attnres.Options(topology="split", split_max_tokens=4)],
                          ids=["topology_persistent", "kernel_persistent", "split_above_ceiling"])
-def test_persistent_routing_declines_add2_tap_and_snapshot(options, device):
+def test_persistent_routing_declines_add2_and_tap_and_takes_the_snapshot(options, device):
+    """The persistent route declines add2 and the tap on every device (the same decline on the CPU, so callers
+    materialize first everywhere); it writes the snapshot row, and runs attn_res without the fp32 diagnostics."""
     for dev in _devices_without_a_gpu_needed(device):
         base = dict(tokens=5, candidates=9, hidden=7168, device=dev, options=options)
         p = attnres.plan("attn_res_add_rmsnorm", add=True, add2=True, **base)
@@ -92,8 +93,19 @@ def test_persistent_routing_declines_add2_tap_and_snapshot(options, device):
         assert p.decline == PERSISTENT_TAP, (dev, p)
         p = attnres.plan("attn_res_rmsnorm", tap=True, **base)
         assert p.decline == PERSISTENT_TAP, (dev, p)
-        p = attnres.plan("attn_res_add_rmsnorm", add=True, snapshot=True, **base)
-        assert p.decline == PERSISTENT_SNAPSHOT, (dev, p)
+        accepted = "cpu" if dev == "cpu" else "persistent"
+        for op, flags in (("attn_res_add_rmsnorm", {"add": True}), ("attn_res_rmsnorm", {}), ("attn_res", {}),
+                          ("attn_res", {"add": True})):
+            p = attnres.plan(op, snapshot=True, **flags, **base)
+            if dev == "cpu" and options.kernel == "persistent":
+                assert p.decline == "kernel persistent runs on CUDA devices; the tensors are on cpu", (dev, op, p)
+            elif _C.cuda_backend_built() or dev == "cpu":
+                assert p.accepted and p.kernel == accepted, (dev, op, flags, p)
+        p = attnres.plan("attn_res", diagnostics=True, **base)
+        if options.kernel == "persistent":
+            assert p.decline == ATTN_RES_NOT_PERSISTENT, (dev, p)
+        elif _C.cuda_backend_built() or dev == "cpu":
+            assert p.accepted and p.kernel != "persistent", (dev, p)
 
 
 def test_persistent_op_declines_add2_on_every_device(device):

@@ -901,7 +901,7 @@ def test_split_topology_at_the_ceiling_takes_the_per_token_path(device):
     _public("attn_res_add_rmsnorm", inp, options=attnres.Options(topology="split", split_max_tokens=T))
 
 
-def test_persistent_declines_tap_and_snapshot(device):
+def test_persistent_declines_the_tap(device):
     inp = _inputs(device)
     opts = attnres.Options(topology="persistent")
     with Written(inp), _rejects(attnres.UnsupportedError, "attn_res_add_rmsnorm: the persistent kernel does not emit "
@@ -910,16 +910,14 @@ def test_persistent_declines_tap_and_snapshot(device):
     with Written(inp), _rejects(attnres.UnsupportedError, "attn_res_rmsnorm: the persistent kernel does not emit "
                                 "the pre-norm mixture tap"):
         _public("attn_res_rmsnorm", inp, return_mixture=True, options=opts)
-    with Written(inp), _rejects(attnres.UnsupportedError, "attn_res_add_rmsnorm: the persistent kernel does not "
-                                "write snapshot rows"):
-        _public("attn_res_add_rmsnorm", inp, layer_residual_add2=None, snapshot_slot=inp.spare_slot, options=opts)
 
 
 @pytest.mark.parametrize("kernel", ["single_cta", "split_k", "persistent"])
 @pytest.mark.parametrize("op", OPS)
 def test_cuda_kernels_declined_on_cpu(op, kernel):
     inp = _inputs("cpu")
-    why = ("the persistent kernel does not emit the fp32 diagnostics: attn_res runs on the per-token kernels"
+    why = ("the persistent kernel does not emit the fp32 diagnostics: attn_res with diagnostics runs on the "
+           "per-token kernels"
            if (op, kernel) == ("attn_res", "persistent") else f"kernel {kernel} runs on CUDA devices; the tensors "
            "are on cpu")
     with Written(inp), _rejects(attnres.UnsupportedError, f"{_pub(op)}: {why}"):

@@ -71,9 +71,14 @@ def test_snapshot_rejections_write_nothing(device, op):
         assert torch.equal(bits(buf), bits(before[name])), name
 
 
-def test_plan_accepts_the_snapshot_on_per_token_kernels_only():
+def test_plan_accepts_the_snapshot_on_every_kernel():
     for op in ("attn_res", "attn_res_rmsnorm"):
         assert attnres.plan(op, tokens=2, candidates=3, hidden=256, snapshot=True).accepted
-    p = attnres.plan("attn_res_rmsnorm", tokens=2, candidates=3, hidden=256, snapshot=True,
+        for gpu in ("h100", "h200"):
+            for opts in (attnres.Options(kernel="single_cta"), attnres.Options(kernel="split_k"),
+                         attnres.Options(topology="persistent")):
+                p = attnres.plan(op, tokens=2, candidates=3, hidden=256, snapshot=True, device=gpu, options=opts)
+                assert p.accepted, (op, gpu, opts, p)
+    p = attnres.plan("attn_res", tokens=2, candidates=3, hidden=256, snapshot=True, diagnostics=True, device="h200",
                      options=attnres.Options(topology="persistent"))
-    assert not p.accepted and "snapshot" in p.decline
+    assert p.accepted and p.kernel != "persistent", p  # the diagnostics keep attn_res on the per-token kernels

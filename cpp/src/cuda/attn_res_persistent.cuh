@@ -1,8 +1,9 @@
 // The persistent attention-residual kernel (sm_90): one block per SM (two through a tuning knob) loops over
 // tokens (round-robin), and every candidate row reaches shared memory through a bulk asynchronous copy
 // (cp.async.bulk, completing on an mbarrier with a transaction count) into a ring of row slots.
-// attn_res_rmsnorm and attn_res_add_rmsnorm (one addend) under the persistent topology, and
-// attn_res_add_rmsnorm_persistent, run here.
+// attn_res_rmsnorm and attn_res_add_rmsnorm (one addend) under the persistent topology,
+// attn_res_add_rmsnorm_persistent, and attn_res without the fp32 diagnostics (no trailing norm: the NORM = false
+// instances, whose output is the mixture of step 3) run here, each with or without a snapshot row write.
 //
 // Roles. Warps 0..W-1 consume (W <= 8, persistent_layout.hpp consumer_threads), the last warp produces:
 // its lane 0 streams, token after token, the rows bank[0..K-1], prefix, addend (with the addend) into the
@@ -12,14 +13,16 @@
 // Per token the consumers
 //   1. score every row as it arrives (per vector: sum of squares and dot with q over its 8 elements, a
 //      butterfly per split_k warp, the warp's pair to shared memory); the prefix row and the addend form
-//      P = bf16(prefix + add) first (add.rn.f32, no flush: ops.md step 1) and `updated` is stored;
+//      P = bf16(prefix + add) first (add.rn.f32, no flush: ops.md step 1) and `updated` is stored, and P
+//      into the snapshot row when the call writes one (the row is >= K: never a candidate of this call);
 //   2. after one consumer barrier, every warp sums the per-warp pairs in split_k's order and computes the same
 //      softmax (lane n: candidate n), so the N probabilities need no second barrier;
 //   3. mix row by row, n = 0..K-1 then P (recomputed from the prefix and addend slots: the same bits), as an
 //      fma chain per element in that order, releasing each slot after its row; round the mixture to bf16
 //      once (ops.md step 6);
 //   4. trailing norm in Kimi's two-rounding order (ops.md step 7): the mixture's sum of squares through a
-//      second consumer barrier, then output = bf16(bf16(mixture * r) * norm_weight).
+//      second consumer barrier, then output = bf16(bf16(mixture * r) * norm_weight); without the norm
+//      (NORM = false) the bf16 mixture is the output and the second barrier does not exist.
 // The formulas are the per-token kernels' (attn_res_per_token.cuh): rsqrtf(fmaf(ss, 1/H, eps)), __expf of
 // the max-subtracted logit, the denominator summed over n in order from +0, probabilities times 1/denominator,
 // the N = 1 probability forced to 1, the mixture's fma chain over n in order, the same rounding boundaries.
@@ -81,6 +84,7 @@ struct PersistentParams {
   const __nv_bfloat16* norm_weight;
   __nv_bfloat16* output;
   __nv_bfloat16* updated;  // nullptr without an addend
+  __nv_bfloat16* snapshot; // bank row `snapshot_slot` of token 0 (token stride bank_token_stride); nullptr: none
   int64_t lr_stride, add_stride, bank_snapshot_stride, bank_token_stride, output_stride, updated_stride;
   int32_t tokens;     // T
   int32_t snapshots;  // K (N = K + 1)
@@ -270,8 +274,9 @@ __device__ __forceinline__ float chunked_sum(const float* base, int stride, int 
 
 // V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`); FP8: the e4m3
 // epilogue (step 5), a compile-time variant; BLOCKS_PER_SM: 1, or 2 for the tuning knob's instances (at most
-// kTwoBlocksMaxThreads threads, registers capped so that two blocks are resident; the same code, the same bits).
-template <int V, bool ADD, Fp8Mode FP8 = Fp8Mode::none, int BLOCKS_PER_SM = 1>
+// kTwoBlocksMaxThreads threads, registers capped so that two blocks are resident; the same code, the same bits);
+// NORM: the trailing norm (false: attn_res's output, the mixture; no FP8 epilogue).
+template <int V, bool ADD, Fp8Mode FP8 = Fp8Mode::none, int BLOCKS_PER_SM = 1, bool NORM = true>
 __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads : persistent::kTwoBlocksMaxThreads,
                                   BLOCKS_PER_SM)
     attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {
@@ -292,6 +297,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
   // The V = 8 instance (H > 8192) keeps the norm weight in shared memory: with it in registers too, the 9-warp
   // block's register cap (168: three warps share a quarter of the register file) spilled.
   constexpr bool kNormInRegisters = !persistent::norm_weight_in_shared(V);
+  static_assert(NORM || FP8 == Fp8Mode::none, "attn_res has no normed output to quantize");
 
   if (tid == 0) {
     for (uint32_t s = 0; s < S; ++s) {
@@ -322,12 +328,14 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
       const int64_t col = valid(j) ? static_cast<int64_t>(first + 32 * j) * 8 : 0;
       const uint4 res = load16_if(p.res_weight + col, valid(j));
       const uint4 rms = load16_if(p.rms_weight + col, valid(j));
-      const uint4 nw = load16_if(p.norm_weight + col, valid(j));
-      if constexpr (kNormInRegisters) {
-        norm_w[j] = nw;
-      } else {
-        // Only this thread ever reads these 16 bytes back: no barrier, and never a ring slot.
-        if (valid(j)) *reinterpret_cast<uint4*>(norm_smem + offset(j)) = nw;
+      if constexpr (NORM) {
+        const uint4 nw = load16_if(p.norm_weight + col, valid(j));
+        if constexpr (kNormInRegisters) {
+          norm_w[j] = nw;
+        } else {
+          // Only this thread ever reads these 16 bytes back: no barrier, and never a ring slot.
+          if (valid(j)) *reinterpret_cast<uint4*>(norm_smem + offset(j)) = nw;
+        }
       }
       float a[8], b[8];
       unpack8(res, a);
@@ -378,6 +386,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           if constexpr (ADD) {
             if (valid(j)) store16(p.updated + t * p.updated_stride + offset(j) / 2, P);
           }
+          if (valid(j) && p.snapshot) store16(p.snapshot + t * p.bank_token_stride + offset(j) / 2, P);
           vector_scores(P, q[j], ssj[j], dotj[j]);  // the same code as a bank row's: only P's value differs
         }
         store_warp_partials<V>(ssj, dotj, partials + K * persistent::kMaxConsumerWarps * 2, warp, lane);
@@ -469,7 +478,16 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           for (int e = 0; e < 8; ++e) acc[j][e] += 0.0f;  // split_k's fma(0, 0, acc) for its rows past N
       }
 
-      // ---- 4. trailing RMSNorm, two roundings ----
+      // ---- 4. trailing RMSNorm, two roundings (without it, the rounded mixture is the output) ----
+      if constexpr (!NORM) {
+#pragma unroll
+        for (int j = 0; j < V; ++j)
+          if (valid(j)) store16(p.output + t * p.output_stride + offset(j) / 2, pack8(acc[j]));
+        // The norm's barrier also keeps the next token's step 1 from overwriting the partials before every
+        // consumer warp has read them in step 2; without the norm this barrier alone does that.
+        consumer_barrier(C);
+        continue;
+      }
       uint4 mixed[V];
       float sqj[V];
 #pragma unroll
@@ -562,5 +580,10 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
     }
   }
 }
+
+// attn_res's instances (NORM = false; nullptr for none), in their own translation unit
+// (cuda/attn_res_persistent_mix_instances.cu).
+using PersistentKernel = void (*)(PersistentParams);
+PersistentKernel persistent_mix_instance(bool add, int vectors, int blocks_per_sm);
 
 }  // namespace attnres::detail

@@ -8,13 +8,14 @@
 #include "cuda/attn_res_persistent.cuh"
 #include "cuda/cuda_check.cuh"
 #include "cuda/launch_utils.hpp"
+#include "layout.hpp"
 #include "persistent_layout.hpp"
 
 namespace attnres::detail {
 
 namespace {
 
-using PersistentFn = void (*)(PersistentParams);
+using PersistentFn = PersistentKernel;
 
 template <bool ADD, Fp8Mode F>
 PersistentFn by_vectors(int vectors) {
@@ -44,7 +45,10 @@ PersistentFn by_add(bool add, int vectors) {
   return add ? by_vectors<true, F>(vectors) : by_vectors<false, F>(vectors);
 }
 
-PersistentFn select_kernel(Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
+// `norm`: attn_res_rmsnorm / attn_res_add_rmsnorm (and the persistent op); else attn_res, whose instances have no
+// FP8 epilogue (the plan declines FP8 without a norm before any kernel is chosen).
+PersistentFn select_kernel(bool norm, Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
+  if (!norm) return fp8 == Fp8Scales::none ? persistent_mix_instance(add, vectors, blocks_per_sm) : nullptr;
   if (blocks_per_sm == 2) {
     if (fp8 != Fp8Scales::none) return nullptr;
     return add ? two_blocks_by_vectors<true>(vectors) : two_blocks_by_vectors<false>(vectors);
@@ -70,9 +74,9 @@ int persistent_resident(PersistentFn kernel, int device, int optin, const Plan& 
 
 }  // namespace
 
-int cuda_attn_res_persistent_resident(const AttnResArgs& a, const Plan& plan) {
+int cuda_attn_res_persistent_resident(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
-  const PersistentFn kernel = select_kernel(a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  const PersistentFn kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
   if (kernel == nullptr) return 0;
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
@@ -82,7 +86,7 @@ int cuda_attn_res_persistent_resident(const AttnResArgs& a, const Plan& plan) {
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
-  const PersistentFn kernel = select_kernel(a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  const PersistentFn kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
   const int64_t H = a.layer_residual.shape[1];
   const int32_t consumers = plan.threads - persistent::kProducerThreads;
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
@@ -106,6 +110,9 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   p.norm_weight = tensor_ptr<const __nv_bfloat16>(a.norm_weight);
   p.output = tensor_ptr<__nv_bfloat16>(a.output);
   p.updated = tensor_ptr<__nv_bfloat16>(a.updated);
+  // The snapshot row of token 0 (validated: snapshot_slot >= K and inside the bank's storage); the kernel adds
+  // the bank's token stride per token.
+  if (a.snapshot_slot >= 0) p.snapshot = tensor_ptr<__nv_bfloat16>(snapshot_rows(a.block_residual, a.snapshot_slot));
   p.lr_stride = a.layer_residual.strides[0];
   p.add_stride = add ? a.layer_residual_add.strides[0] : 0;
   p.bank_snapshot_stride = a.block_residual.strides[0];

@@ -450,7 +450,7 @@ def _with_fp8(result: SiteResult, fused: tuple | None, settings: ResidualSetting
 def _snapshot_in_op(settings: ResidualSettings, route: Route, tokens: int, candidates: int, hidden: int,
                     device) -> bool:
     """Whether the site's own op can write the snapshot row (snapshot_slot): the plan accepts the write on the
-    kernel the site runs (the persistent kernel does not write snapshot rows)."""
+    kernel the site runs."""
     if route.path == FUSED:
         op, options = "attn_res_rmsnorm", settings.options
     elif route.path == EAGER:
