@@ -128,13 +128,15 @@ constexpr int64_t kAutomaticPersistentMinTokensNoAddByN[kMaxCandidates] = {
     4096, 4096, 256, 512, 128, 128, 256, 256, 512, 256, 256, 256,
     256, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 // The H100's (h100_308285c_topology.json, h100_308285c_topology_noadd.json): from the T where the persistent kernel
-// is faster or within 3 % at every larger measured T.
+// is faster or within 3 % at every larger measured T, except where that margin was thin (<= 1 % with the addend at
+// N = 3, <= 2.5 % from T = 2048 without it at N = 8) and the same N lost 9-13 % at T = 4096 with a snapshot write
+// or without the norm at vLLM's call sites (h100_81463b7_vllm_sites.json): never there.
 constexpr int64_t kAutomaticPersistentMinTokensByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, 2048, kNeverPersistent, 128, 128, 512, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 512, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, 2048, kNeverPersistent, 128, 128, 128, 1024,
+    kNeverPersistent, kNeverPersistent, 2048, kNeverPersistent, 128, 128, 128, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;

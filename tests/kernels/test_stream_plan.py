@@ -115,8 +115,8 @@ MEASURED = {
                      for N in range(1, 17)},
     ("h200", False): {N: None if N > 13 else {1: 4096, 2: 4096, 4: 512, 5: 128, 6: 128, 9: 512}.get(N, 256)
                       for N in range(1, 17)},
-    ("h100", True): {N: {3: 2048, 5: 128, 6: 128, 7: 512}.get(N) for N in range(1, 17)},
-    ("h100", False): {N: {3: 2048, 5: 128, 6: 128, 7: 128, 8: 1024}.get(N) for N in range(1, 17)},
+    ("h100", True): {N: {5: 128, 6: 128, 7: 512}.get(N) for N in range(1, 17)},
+    ("h100", False): {N: {3: 2048, 5: 128, 6: 128, 7: 128}.get(N) for N in range(1, 17)},
 }
 
 
