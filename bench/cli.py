@@ -32,7 +32,7 @@ SUITES = {
              "N = 2, 9, 12, H = 7168 (not part of 'all'; --quick: 5 points)",
     "topology": "the automatic topology against every kernel forced, one addend, cold L2, T = 128..4096 x N = "
                 "3..16, H = 7168 (about 2 minutes; not part of 'all'; --quick: 15 points; --no-add: "
-                "attn_res_rmsnorm at N = 1..16)",
+                "attn_res_rmsnorm at N = 1..16; --mix: attn_res without the fp32 diagnostics)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -78,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     o = p.add_argument_group("topology")
     o.add_argument("--no-add", action="store_true",
                    help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend op")
+    o.add_argument("--mix", action="store_true",
+                   help="topology: attn_res (no trailing norm, no fp32 diagnostics) instead of the normed op, with the "
+                        "addend or, with --no-add, without it")
     f = p.add_argument_group("fp8")
     f.add_argument("--pow2", action="store_true", help="fp8: power-of-two scales (fp8_pow2_scales=True)")
     g = p.add_argument_group("guard")
@@ -118,7 +121,7 @@ def _peers_step(args) -> common.Step:
 
 def _topology_step(args) -> common.Step:
     return lambda progress, extra: topology.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
-                                                repeats=args.repeats, add=not args.no_add,
+                                                repeats=args.repeats, add=not args.no_add, mix=args.mix,
                                                 tokens=common.chain_tokens(args) if args.tokens else None)
 
 
@@ -156,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--variants applies to the persistent suite only")
     if args.no_add and args.suite != "topology":
         p.error("--no-add applies to the topology suite only")
+    if args.mix and args.suite != "topology":
+        p.error("--mix applies to the topology suite only")
     if args.variants and args.quick:
         p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9): drop --quick")
     if args.suite == "persistent" and args.hidden is not None and not hidden_supported(args.hidden):

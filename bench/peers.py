@@ -94,26 +94,33 @@ def warm_sets(bytes_per_set: int, l2_bytes: int, maximum: int = 8) -> int:
     return min(maximum, (l2_bytes // 2) // max(bytes_per_set, 1))
 
 
-def _op(add: bool) -> str:
-    """The op a point times: one addend (`prefix + delta`, then the norm), or none (attn_res_rmsnorm)."""
+def _op(add: bool, mix: bool = False) -> str:
+    """The op a point times: one addend (`prefix + delta`, then the norm), or none (attn_res_rmsnorm); mix:
+    attn_res (no trailing norm, no fp32 diagnostics), with or without the addend."""
+    if mix:
+        return "attn_res"
     return "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
 
 
-def _plan(T: int, N: int, H: int, add: bool, options: attnres.Options, device="cuda"):
-    return attnres.plan(_op(add), tokens=T, candidates=N, hidden=H, device=device, add=add, options=options)
+def _plan(T: int, N: int, H: int, add: bool, options: attnres.Options, device="cuda", mix: bool = False):
+    return attnres.plan(_op(add, mix), tokens=T, candidates=N, hidden=H, device=device, add=add, options=options)
 
 
-def _providers(T: int, N: int, H: int, device="cuda", add: bool = True) -> dict[str, attnres.Options]:
+def _providers(T: int, N: int, H: int, device="cuda", add: bool = True,
+               mix: bool = False) -> dict[str, attnres.Options]:
     """default (Options()) and every kernel the plan runs this call on when forced, by provider name."""
     out = {"attnres/default": attnres.Options()}
     for name, kw in FORCED.items():
         opts = attnres.Options(**kw)
-        if _plan(T, N, H, add, opts, device).kernel is not None:
+        if _plan(T, N, H, add, opts, device, mix).kernel is not None:
             out[f"attnres/{name}"] = opts
     return out
 
 
-def _call(s, opts: attnres.Options, add: bool = True):
+def _call(s, opts: attnres.Options, add: bool = True, mix: bool = False):
+    if mix:
+        return lambda: attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS,
+                                        layer_residual_add=s.routed if add else None, diagnostics=False, options=opts)
     w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
     if add:
         return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=opts)
@@ -121,12 +128,12 @@ def _call(s, opts: attnres.Options, add: bool = True):
 
 
 def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str = "peers",
-              regimes: tuple[str, ...] = REGIMES, add: bool = True) -> list[dict]:
-    """add=False: attn_res_rmsnorm (no addend) at the point instead of the one-addend op."""
+              regimes: tuple[str, ...] = REGIMES, add: bool = True, mix: bool = False) -> list[dict]:
+    """add=False: attn_res_rmsnorm (no addend) at the point instead of the one-addend op; mix: attn_res."""
     nbytes = op_bytes(T, N, H, add)
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
-    providers = _providers(T, N, H, add=add)
-    default_plan = _plan(T, N, H, add, attnres.Options())
+    providers = _providers(T, N, H, add=add, mix=mix)
+    default_plan = _plan(T, N, H, add, attnres.Options(), mix=mix)
     records = []
     for regime in regimes:
         count = warm_sets(nbytes, l2) if regime == "warm" else rotating_sets(nbytes, minimum=1)
@@ -134,25 +141,26 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str 
             continue
         sets = make_sets(T, N, H, count, seed=T * 100 + N + (regime == "warm"))
         calls = calls_per_graph(count, nbytes)
-        graphs = {name: (capture([_call(sets[i % count], o, add) for i in range(calls)]), calls)
+        graphs = {name: (capture([_call(sets[i % count], o, add, mix) for i in range(calls)]), calls)
                   for name, o in providers.items()}
         timings = time_interleaved(graphs, repeats=repeats)
         for name, t in timings.items():
             records.append(record(suite, name, regime, T, N, H, len(sets), copy_tbs, default_plan.kernel, t.as_dict(),
-                                  add=add))
+                                  add=add, mix=mix))
         del graphs, sets
         torch.cuda.empty_cache()
     return records
 
 
 def record(suite: str, provider: str, regime: str, T: int, N: int, H: int, sets: int, copy_tbs: float | None,
-           default_kernel: str | None, timing: dict, add: bool = True) -> dict:
+           default_kernel: str | None, timing: dict, add: bool = True, mix: bool = False) -> dict:
     """One provider's timing at a point, with its bandwidth (over persistent.op_bytes) and, where the copy rate
     of the run is known (copy_tbs > 0), its share of it. The peers' figures are of the one-addend op."""
     nbytes = op_bytes(T, N, H, add)
     gbps = nbytes / (timing["median_us"] * 1e-6) / 1e9
-    peer = PEERS.get((T, N)) if H == H_DEFAULT and add else None
-    return {"suite": suite, "provider": provider, "regime": regime, "T": T, "N": N, "H": H, "add": add, "sets": sets,
+    peer = PEERS.get((T, N)) if H == H_DEFAULT and add and not mix else None
+    return {"suite": suite, "provider": provider, "regime": regime, "T": T, "N": N, "H": H, "add": add,
+            **({"op": "attn_res"} if mix else {}), "sets": sets,
             "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
             "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0) if copy_tbs else None, "default_kernel": default_kernel,
             "peer_best_us": peer.best_us if peer else None, "peer_best": peer.best if peer else None,

@@ -3,6 +3,8 @@ the default options and on every kernel the call can run on, forced (split_k; si
 persistent kernel), at T in {128, 256, 512, 1024, 2048, 4096} x N = 3..16, H = 7168, cold L2 (the project's
 harness: rotating sets past twice the L2, peers.calls_per_graph calls per graph), all of a point interleaved.
 `--no-add`: attn_res_rmsnorm (no addend) instead, at N = 1..16 (no snapshot yet at N = 1: the op is an RMSNorm).
+`--mix`: attn_res (no trailing norm, no fp32 diagnostics) with the addend, or without it (with `--no-add`): the op
+takes the thresholds of the normed op of the same addend.
 
 It is the measurement behind tuning::automatic_persistent_min_tokens (cpp/src/plan_tuning.hpp): the
 persistent kernel's time grows with N, split_k's with its candidate bucket, so which is faster depends on both.
@@ -32,19 +34,28 @@ def points(quick: bool = False, add: bool = True, tokens: tuple[int, ...] | None
 
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None,
-        repeats: int = 25, add: bool = True, tokens: tuple[int, ...] | None = None) -> list[dict]:
-    """copy_tbs: the run's copy rate for the records' pct_copy (None: not recorded). add=False: attn_res_rmsnorm."""
+        repeats: int = 25, add: bool = True, tokens: tuple[int, ...] | None = None, mix: bool = False) -> list[dict]:
+    """copy_tbs: the run's copy rate for the records' pct_copy (None: not recorded). add=False: attn_res_rmsnorm;
+    mix: attn_res (with the addend or, add=False, without)."""
     records = []
     pts = points(quick, add, tokens)
     for i, (T, N) in enumerate(pts):
-        records += run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",), add=add)
+        records += run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",), add=add, mix=mix)
         if progress:
-            progress(i + 1, len(pts), f"topology T={T} N={N}{'' if add else ' no addend'}")
+            progress(i + 1, len(pts), f"topology T={T} N={N}{_label(add, mix)}")
     return records
 
 
 def _add(record: dict) -> bool:
     return record.get("add", True)  # records from before the no-addend grid are of the one-addend op
+
+
+def _mix(record: dict) -> bool:
+    return record.get("op") == "attn_res"
+
+
+def _label(add: bool, mix: bool) -> str:
+    return (" attn_res" if mix else "") + ("" if add else " (no addend)")
 
 
 # ------------------------------------------------------------------------------------------- reading records
@@ -53,14 +64,15 @@ def rows(records: list[dict]) -> list[dict]:
     time, ratio = default / fastest."""
     rec = [r for r in records if r.get("suite") == "topology" and r.get("regime") == "cold"]
     out = []
-    for key in sorted({(not _add(r), r["T"], r["N"], r["H"]) for r in rec}):
-        at = {r["provider"]: r for r in rec if (not _add(r), r["T"], r["N"], r["H"]) == key}
+    for key in sorted({(_mix(r), not _add(r), r["T"], r["N"], r["H"]) for r in rec}):
+        at = {r["provider"]: r for r in rec if (_mix(r), not _add(r), r["T"], r["N"], r["H"]) == key}
         default = at.get("attnres/default")
         forced = {p.split("/", 1)[1]: r["median_us"] for p, r in at.items() if p != "attnres/default"}
         if default is None or not forced:
             continue
         best = min(forced, key=forced.get)
-        out.append({"add": not key[0], "T": key[1], "N": key[2], "H": key[3], "kernel": default["default_kernel"],
+        out.append({"mix": key[0], "add": not key[1], "T": key[2], "N": key[3], "H": key[4],
+                    "kernel": default["default_kernel"],
                     "default_us": default["median_us"], "best": best, "best_us": forced[best],
                     "ratio": default["median_us"] / forced[best], "forced": forced})
     return out
@@ -80,7 +92,7 @@ def target(records: list[dict]) -> tuple[str, str, str, bool] | None:
 
 
 def _op_label(row: dict) -> str:
-    return "" if row["add"] else " (no addend)"
+    return _label(row["add"], row["mix"])
 
 
 def summary(records: list[dict]) -> list[str]:
@@ -90,8 +102,9 @@ def summary(records: list[dict]) -> list[str]:
     names = tuple(FORCED)
     lines = []
     for i, r in enumerate(got):
-        if i == 0 or r["add"] != got[i - 1]["add"]:
-            lines.append(f"topology grid: µs per call, {'one addend' if r['add'] else 'no addend (attn_res_rmsnorm)'}, "
+        if i == 0 or (r["add"], r["mix"]) != (got[i - 1]["add"], got[i - 1]["mix"]):
+            op = "attn_res" if r["mix"] else ("attn_res_add_rmsnorm" if r["add"] else "attn_res_rmsnorm")
+            lines.append(f"topology grid: µs per call, {op}, {'one addend' if r['add'] else 'no addend'}, "
                          "cold L2; the default's kernel / µs, then each kernel forced; ratio = default / fastest")
             lines.append(f"{'T':>6} {'N':>3}  {'default':<11}{'µs':>9}" + "".join(f"{n:>12}" for n in names)
                          + f"{'ratio':>8}")

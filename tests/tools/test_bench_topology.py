@@ -74,12 +74,38 @@ def test_the_op_without_an_addend_is_its_own_row():
     assert "one addend" in headers[0] and "no addend" in headers[1] and lines[-1].endswith(" !")
 
 
-def test_no_add_belongs_to_the_topology_suite(capsys):
+@pytest.mark.parametrize("flag", ["--no-add", "--mix"])
+def test_op_flags_belong_to_the_topology_suite(capsys, flag):
     from bench.cli import main as bench_main
 
     with pytest.raises(SystemExit) as exc:
-        bench_main(["persistent", "--no-add"])
-    assert exc.value.code == 2 and "--no-add applies to the topology suite only" in capsys.readouterr().err
+        bench_main(["persistent", flag])
+    assert exc.value.code == 2 and f"{flag} applies to the topology suite only" in capsys.readouterr().err
+
+
+def test_attn_res_records_are_rows_of_their_own():
+    """--mix records (op attn_res) at the same (T, N, addend) as the normed op's are a separate row, labelled."""
+    mix = [r | {"op": "attn_res"} for r in _point(4096, 5, 130.0, "persistent", add=False, split_k=180.0,
+                                                   persistent=130.0)]
+    recs = _point(4096, 5, 137.0, "persistent", add=False, split_k=140.0, persistent=137.0) + mix + _point(
+        4096, 8, 219.0, "persistent", add=True, split_k=197.0, persistent=219.0)
+    for r in recs[-3:]:
+        r["op"] = "attn_res"
+    got = topology.rows(recs)
+    assert [(r["mix"], r["add"], r["N"]) for r in got] == [(False, False, 5), (True, True, 8), (True, False, 5)]
+    row = topology.target(recs)
+    assert row[3] is False and "T=4096 N=8 attn_res (" in row[2]
+    headers = [line for line in topology.summary(recs) if line.startswith("topology grid")]
+    assert len(headers) == 3 and "attn_res_rmsnorm" in headers[0] and "attn_res, one addend" in headers[1]
+
+
+def test_peers_times_attn_res_without_diagnostics():
+    from bench import peers
+
+    assert peers._op(True, mix=True) == peers._op(False, mix=True) == "attn_res"
+    # the persistent kernel runs attn_res without the diagnostics: it is one of the providers
+    assert list(peers._providers(4096, 5, 7168, device="h200", add=False, mix=True)) == list(
+        peers._providers(4096, 5, 7168, device="h200", add=False))
 
 
 def test_cli(capsys):
