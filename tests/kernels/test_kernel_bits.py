@@ -74,20 +74,26 @@ def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
 class Op:
     """One op and flag set: how to call it and what the plan is asked."""
 
-    def __init__(self, name: str, addends: int, tap: bool):
+    def __init__(self, name: str, addends: int, tap: bool, diagnostics: bool = True):
         self.name, self.addends, self.tap = name, addends, tap
+        self.diagnostics = diagnostics and name == "attn_res"  # attn_res's fp32 diagnostics (per-token only)
 
     def __repr__(self) -> str:
-        return f"{self.name}(addends={self.addends}, tap={self.tap})"
+        return f"{self.name}(addends={self.addends}, tap={self.tap}, diagnostics={self.diagnostics})"
 
     def plan(self, inp: Inputs, options: attnres.Options):
         return attnres.plan(self.name, tokens=inp.T, candidates=inp.N, hidden=inp.H, device="cuda",
-                            add=self.addends >= 1, add2=self.addends == 2, tap=self.tap, options=options)
+                            add=self.addends >= 1, add2=self.addends == 2, tap=self.tap,
+                            diagnostics=self.diagnostics, options=options)
 
     def __call__(self, inp: Inputs, options: attnres.Options, add=None):
         w = (inp.res_weight, inp.rms_weight)
         if self.name == "attn_res":
-            return _kept(attnres.attn_res(inp.layer_residual, inp.block_residual, *w, inp.rms_eps, options=options))
+            adds = {} if self.addends == 0 else {
+                "layer_residual_add": inp.add if add is None else add,
+                "layer_residual_add2": inp.add2 if add is None and self.addends == 2 else None}
+            return _kept(attnres.attn_res(inp.layer_residual, inp.block_residual, *w, inp.rms_eps, **adds,
+                                          diagnostics=self.diagnostics, options=options))
         w = (*w, inp.norm_weight, inp.rms_eps, inp.norm_eps)
         if self.name == "attn_res_rmsnorm":
             r = attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, return_mixture=self.tap,
@@ -103,9 +109,12 @@ class Op:
 
 
 def _ops(addends: int) -> list[Op]:
+    # attn_res with the fp32 diagnostics runs on the per-token kernels only, without them on every kernel.
     if addends == 0:
-        return [Op("attn_res", 0, False), Op("attn_res_rmsnorm", 0, False), Op("attn_res_rmsnorm", 0, True)]
-    return [Op("attn_res_add_rmsnorm", addends, False), Op("attn_res_add_rmsnorm", addends, True)]
+        return [Op("attn_res", 0, False), Op("attn_res", 0, False, diagnostics=False), Op("attn_res_rmsnorm", 0, False),
+                Op("attn_res_rmsnorm", 0, True)]
+    return [Op("attn_res_add_rmsnorm", addends, False), Op("attn_res_add_rmsnorm", addends, True),
+            Op("attn_res", addends, False, diagnostics=False)]
 
 
 def _compare(want, got, what: str) -> list[str]:
@@ -137,7 +146,7 @@ def _check_case(T: int, N: int, H: int, layout: str, addends: int) -> tuple[list
             compared.append(name)
         if op.addends == 2 and not op.tap:
             # The persistent kernel on add = bf16(add + add2) (PyTorch's rounding): updated and output.
-            one = Op("attn_res_add_rmsnorm", 1, False)
+            one = Op("attn_res" if op.name == "attn_res" else "attn_res_add_rmsnorm", 1, False, diagnostics=False)
             summed = inp.add + inp.add2
             if one.plan(inp, FORCED["persistent"]).accepted:
                 got = one(inp, FORCED["persistent"], add=summed)

@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${OUT:-build/engine_tables}
 mkdir -p "$out"
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${ATTNRES_COMMIT:-unknown}")
+# ATTNRES_COMMIT first: a copied tree may carry a .git of another commit.
+commit=${ATTNRES_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 # The checkout's copy of this GPU's SGLang table (bench_vllm.py table finds its own).
 sglang_table=python/attnres/integrations/$(cd / && python3 -c "
 import torch
