@@ -486,94 +486,95 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         // The norm's barrier also keeps the next token's step 1 from overwriting the partials before every
         // consumer warp has read them in step 2; without the norm this barrier alone does that.
         consumer_barrier(C);
-        continue;
-      }
-      uint4 mixed[V];
-      float sqj[V];
+      } else {
+        uint4 mixed[V];
+        float sqj[V];
 #pragma unroll
-      for (int j = 0; j < V; ++j) {
-        mixed[j] = pack8(acc[j]);  // the mixture's one rounding to bf16
-        float m[8];
-        unpack8(mixed[j], m);
-        sqj[j] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sqj[j] = fmaf(m[e], m[e], sqj[j]);  // invalid vectors: +0 (acc stayed 0)
-      }
-      const float sq = chunk_warps_sum<1, V>(sqj, lane);
-      if (lane == 0) mix_squares[warp] = sq;
-      consumer_barrier(C);
-      const float total = chunked_sum(mix_squares, 1, p.chunks, G);
-      const float r = norm_scale(total, p.inv_hidden, p.norm_eps);
-      const auto norm_vector = [&](int j) -> uint4 {  // the norm weight of vector j (a valid one)
-        if constexpr (kNormInRegisters) {
-          return norm_w[j];
-        } else {
-          return *reinterpret_cast<const uint4*>(norm_smem + offset(j));
-        }
-      };
-#pragma unroll
-      for (int j = 0; j < V; ++j) {
-        if (!valid(j)) continue;
-        float m[8];
-        unpack8(mixed[j], m);
-        store16(p.output + t * p.output_stride + offset(j) / 2, rms_output8_scaled(m, r, norm_vector(j)));
-      }
-
-      // ---- 5. FP8: the output's groups (per_token: the token, across the consumer warps; block128: 16
-      // consecutive vectors), then codes and scales. The output vectors are recomputed from the mixture (the
-      // same instructions, the same bits) rather than kept in registers. For a fixed j the 32 lanes of a warp
-      // own 32 consecutive vectors (persistent_layout.hpp owned_vector; vector offset(j) / 16), so when the chunk is a
-      // multiple of 16 vectors each 128-column group lies on 16 aligned lanes of one warp (a butterfly); other
-      // chunks (H with H / 8 not a multiple of 16 per chunk) let a group straddle two chunks, hence two warps:
-      // those reduce through shared memory. Every reduction is a max of bit patterns: order-independent. ----
-      if constexpr (FP8 != Fp8Mode::none) {
-        const auto output_vector = [&](int j) {
+        for (int j = 0; j < V; ++j) {
+          mixed[j] = pack8(acc[j]);  // the mixture's one rounding to bf16
           float m[8];
           unpack8(mixed[j], m);
-          const uint4 w = kNormInRegisters || valid(j) ? norm_vector(j) : make_uint4(0, 0, 0, 0);
-          return valid(j) ? rms_output8_scaled(m, r, w) : make_uint4(0, 0, 0, 0);
-        };
-        uint32_t amax[V];
-        if constexpr (FP8 == Fp8Mode::per_token) {
-          uint32_t mine = 0;
+          sqj[j] = 0.0f;
 #pragma unroll
-          for (int j = 0; j < V; ++j) mine = max(mine, amax_bits8(output_vector(j)));
-          uint32_t* const warp_amax = reinterpret_cast<uint32_t*>(smem + persistent::kFp8AmaxOffset);
-          mine = warp_max_u32(mine);
-          if (lane == 0) warp_amax[warp] = mine;
-          consumer_barrier(C);
-          uint32_t token_amax = 0;
-          for (int w = 0; w < consumer_warps; ++w) token_amax = max(token_amax, warp_amax[w]);
-#pragma unroll
-          for (int j = 0; j < V; ++j) amax[j] = token_amax;
-        } else if (p.chunk % 16 == 0) {
-#pragma unroll
-          for (int j = 0; j < V; ++j) amax[j] = half_warp_max_u32(amax_bits8(output_vector(j)), lane);
-        } else {
-          // The partials block is free here: every consumer read its partials (step 2) before step 4's
-          // barrier, and the next token writes them only after the last barrier below. H / 128 <= 128 groups.
-          uint32_t* const group_amax = reinterpret_cast<uint32_t*>(partials);
-          for (int g = tid; g < p.vectors / 16; g += C) group_amax[g] = 0u;
-          consumer_barrier(C);
-#pragma unroll
-          for (int j = 0; j < V; ++j)
-            if (valid(j)) atomicMax(&group_amax[offset(j) / 256], amax_bits8(output_vector(j)));
-          consumer_barrier(C);
-#pragma unroll
-          for (int j = 0; j < V; ++j) amax[j] = valid(j) ? group_amax[offset(j) / 256] : 0u;
-          consumer_barrier(C);
+          for (int e = 0; e < 8; ++e) sqj[j] = fmaf(m[e], m[e], sqj[j]);  // invalid vectors: +0 (acc stayed 0)
         }
+        const float sq = chunk_warps_sum<1, V>(sqj, lane);
+        if (lane == 0) mix_squares[warp] = sq;
+        consumer_barrier(C);
+        const float total = chunked_sum(mix_squares, 1, p.chunks, G);
+        const float r = norm_scale(total, p.inv_hidden, p.norm_eps);
+        const auto norm_vector = [&](int j) -> uint4 {  // the norm weight of vector j (a valid one)
+          if constexpr (kNormInRegisters) {
+            return norm_w[j];
+          } else {
+            return *reinterpret_cast<const uint4*>(norm_smem + offset(j));
+          }
+        };
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           if (!valid(j)) continue;
-          const float sc = fp8_scale(amax[j], p.fp8_pow2 != 0);
-          const int v = static_cast<int>(offset(j) / 16);  // the vector's index
-          *reinterpret_cast<uint2*>(p.output_fp8 + t * p.output_fp8_stride + static_cast<int64_t>(v) * 8) =
-              fp8_codes8(output_vector(j), sc);
+          float m[8];
+          unpack8(mixed[j], m);
+          store16(p.output + t * p.output_stride + offset(j) / 2, rms_output8_scaled(m, r, norm_vector(j)));
+        }
+
+        // ---- 5. FP8: the output's groups (per_token: the token, across the consumer warps; block128: 16
+        // consecutive vectors), then codes and scales. The output vectors are recomputed from the mixture (the
+        // same instructions, the same bits) rather than kept in registers. For a fixed j the 32 lanes of a warp
+        // own 32 consecutive vectors (persistent_layout.hpp owned_vector; vector offset(j) / 16), so when the
+        // chunk is a multiple of 16 vectors each 128-column group lies on 16 aligned lanes of one warp (a
+        // butterfly); other chunks (H with H / 8 not a multiple of 16 per chunk) let a group straddle two chunks,
+        // hence two warps: those reduce through shared memory. Every reduction is a max of bit patterns:
+        // order-independent. ----
+        if constexpr (FP8 != Fp8Mode::none) {
+          const auto output_vector = [&](int j) {
+            float m[8];
+            unpack8(mixed[j], m);
+            const uint4 w = kNormInRegisters || valid(j) ? norm_vector(j) : make_uint4(0, 0, 0, 0);
+            return valid(j) ? rms_output8_scaled(m, r, w) : make_uint4(0, 0, 0, 0);
+          };
+          uint32_t amax[V];
           if constexpr (FP8 == Fp8Mode::per_token) {
-            if (v == 0) p.fp8_scales[t * p.fp8_scales_stride[0]] = sc;
+            uint32_t mine = 0;
+#pragma unroll
+            for (int j = 0; j < V; ++j) mine = max(mine, amax_bits8(output_vector(j)));
+            uint32_t* const warp_amax = reinterpret_cast<uint32_t*>(smem + persistent::kFp8AmaxOffset);
+            mine = warp_max_u32(mine);
+            if (lane == 0) warp_amax[warp] = mine;
+            consumer_barrier(C);
+            uint32_t token_amax = 0;
+            for (int w = 0; w < consumer_warps; ++w) token_amax = max(token_amax, warp_amax[w]);
+#pragma unroll
+            for (int j = 0; j < V; ++j) amax[j] = token_amax;
+          } else if (p.chunk % 16 == 0) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) amax[j] = half_warp_max_u32(amax_bits8(output_vector(j)), lane);
           } else {
-            if ((v & 15) == 0) p.fp8_scales[t * p.fp8_scales_stride[0] + (v >> 4) * p.fp8_scales_stride[1]] = sc;
+            // The partials block is free here: every consumer read its partials (step 2) before step 4's
+            // barrier, and the next token writes them only after the last barrier below. H / 128 <= 128 groups.
+            uint32_t* const group_amax = reinterpret_cast<uint32_t*>(partials);
+            for (int g = tid; g < p.vectors / 16; g += C) group_amax[g] = 0u;
+            consumer_barrier(C);
+#pragma unroll
+            for (int j = 0; j < V; ++j)
+              if (valid(j)) atomicMax(&group_amax[offset(j) / 256], amax_bits8(output_vector(j)));
+            consumer_barrier(C);
+#pragma unroll
+            for (int j = 0; j < V; ++j) amax[j] = valid(j) ? group_amax[offset(j) / 256] : 0u;
+            consumer_barrier(C);
+          }
+#pragma unroll
+          for (int j = 0; j < V; ++j) {
+            if (!valid(j)) continue;
+            const float sc = fp8_scale(amax[j], p.fp8_pow2 != 0);
+            const int v = static_cast<int>(offset(j) / 16);  // the vector's index
+            *reinterpret_cast<uint2*>(p.output_fp8 + t * p.output_fp8_stride + static_cast<int64_t>(v) * 8) =
+                fp8_codes8(output_vector(j), sc);
+            if constexpr (FP8 == Fp8Mode::per_token) {
+              if (v == 0) p.fp8_scales[t * p.fp8_scales_stride[0]] = sc;
+            } else {
+              if ((v & 15) == 0) p.fp8_scales[t * p.fp8_scales_stride[0] + (v >> 4) * p.fp8_scales_stride[1]] = sc;
+            }
           }
         }
       }
@@ -581,9 +582,25 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
   }
 }
 
+using PersistentKernel = void (*)(PersistentParams);
+
+// The instance for `vectors` per consumer thread (nullptr for none). Two blocks per SM have no 8-vector bucket
+// (H > 8192 takes more than kTwoBlocksMaxThreads threads); the plan declines that geometry.
+template <bool ADD, Fp8Mode FP8, int BLOCKS_PER_SM, bool NORM>
+PersistentKernel persistent_instance(int vectors) {
+  switch (vectors) {
+    case 1: return attn_res_persistent_kernel<1, ADD, FP8, BLOCKS_PER_SM, NORM>;
+    case 2: return attn_res_persistent_kernel<2, ADD, FP8, BLOCKS_PER_SM, NORM>;
+    case 4: return attn_res_persistent_kernel<4, ADD, FP8, BLOCKS_PER_SM, NORM>;
+    case 8:
+      if constexpr (BLOCKS_PER_SM == 1) return attn_res_persistent_kernel<8, ADD, FP8, 1, NORM>;
+      return nullptr;
+    default: return nullptr;
+  }
+}
+
 // attn_res's instances (NORM = false; nullptr for none), in their own translation unit
 // (cuda/attn_res_persistent_mix_instances.cu).
-using PersistentKernel = void (*)(PersistentParams);
 PersistentKernel persistent_mix_instance(bool add, int vectors, int blocks_per_sm);
 
 }  // namespace attnres::detail

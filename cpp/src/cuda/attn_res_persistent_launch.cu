@@ -15,43 +15,19 @@ namespace attnres::detail {
 
 namespace {
 
-using PersistentFn = PersistentKernel;
-
-template <bool ADD, Fp8Mode F>
-PersistentFn by_vectors(int vectors) {
-  switch (vectors) {
-    case 1: return attn_res_persistent_kernel<1, ADD, F>;
-    case 2: return attn_res_persistent_kernel<2, ADD, F>;
-    case 4: return attn_res_persistent_kernel<4, ADD, F>;
-    case 8: return attn_res_persistent_kernel<8, ADD, F>;
-    default: return nullptr;
-  }
-}
-
-// The two-blocks-per-SM instances of the tuning knob: no FP8 epilogue, and no 8-vector bucket (H > 8192 takes
-// more than kTwoBlocksMaxThreads threads); the plan declines both.
-template <bool ADD>
-PersistentFn two_blocks_by_vectors(int vectors) {
-  switch (vectors) {
-    case 1: return attn_res_persistent_kernel<1, ADD, Fp8Mode::none, 2>;
-    case 2: return attn_res_persistent_kernel<2, ADD, Fp8Mode::none, 2>;
-    case 4: return attn_res_persistent_kernel<4, ADD, Fp8Mode::none, 2>;
-    default: return nullptr;
-  }
-}
-
-template <Fp8Mode F>
-PersistentFn by_add(bool add, int vectors) {
-  return add ? by_vectors<true, F>(vectors) : by_vectors<false, F>(vectors);
+template <Fp8Mode F, int BLOCKS_PER_SM = 1>
+PersistentKernel by_add(bool add, int vectors) {
+  return add ? persistent_instance<true, F, BLOCKS_PER_SM, true>(vectors)
+             : persistent_instance<false, F, BLOCKS_PER_SM, true>(vectors);
 }
 
 // `norm`: attn_res_rmsnorm / attn_res_add_rmsnorm (and the persistent op); else attn_res, whose instances have no
 // FP8 epilogue (the plan declines FP8 without a norm before any kernel is chosen).
-PersistentFn select_kernel(bool norm, Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
+PersistentKernel select_kernel(bool norm, Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
   if (!norm) return fp8 == Fp8Scales::none ? persistent_mix_instance(add, vectors, blocks_per_sm) : nullptr;
-  if (blocks_per_sm == 2) {
+  if (blocks_per_sm == 2) {  // the two-blocks geometry has no FP8 instance; the plan declines it
     if (fp8 != Fp8Scales::none) return nullptr;
-    return add ? two_blocks_by_vectors<true>(vectors) : two_blocks_by_vectors<false>(vectors);
+    return by_add<Fp8Mode::none, 2>(add, vectors);
   }
   if (blocks_per_sm != 1) return nullptr;
   switch (fp8) {
@@ -64,7 +40,7 @@ PersistentFn select_kernel(bool norm, Fp8Scales fp8, bool add, int vectors, int 
 
 // The blocks of the plan's geometry resident per SM, after opting `kernel` into the device's shared memory (two
 // blocks per SM also ask for the largest carveout).
-int persistent_resident(PersistentFn kernel, int device, int optin, const Plan& plan) {
+int persistent_resident(PersistentKernel kernel, int device, int optin, const Plan& plan) {
   const void* fn = reinterpret_cast<const void*>(kernel);
   opt_into_shared_memory(fn, device, optin, plan.blocks_per_sm > 1,
                          "cudaFuncSetAttribute(persistent kernel, shared memory)");
@@ -76,7 +52,7 @@ int persistent_resident(PersistentFn kernel, int device, int optin, const Plan& 
 
 int cuda_attn_res_persistent_resident(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
-  const PersistentFn kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  const PersistentKernel kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
   if (kernel == nullptr) return 0;
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
@@ -86,7 +62,7 @@ int cuda_attn_res_persistent_resident(AttnResOp op, const AttnResArgs& a, const 
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const bool add = a.layer_residual_add.present();
-  const PersistentFn kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  const PersistentKernel kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
   const int64_t H = a.layer_residual.shape[1];
   const int32_t consumers = plan.threads - persistent::kProducerThreads;
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
