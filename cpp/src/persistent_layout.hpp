@@ -1,12 +1,18 @@
 // Shared-memory layout of the persistent kernel, in one place for the plan (which sizes the ring from the
-// device's shared-memory budget), the launcher and the kernel (which take the offsets from here).
+// device's shared-memory budget), the launcher and the kernel (which take the offsets from here). W = the
+// consumer warps of H (consumer_threads / 32), N = the call's candidates, S = the ring's slots:
 //
-//   [0, 1024)              per consumer warp and candidate: (sum of squares, dot with q)   [16][8][2] fp32
-//   [1024, 1088)           per consumer warp: the mixture's sum of squares                 [8] fp32, then
+//   [0, partials_bytes)    per candidate and consumer warp: (sum of squares, dot with q)   [N][W][2] fp32; the
+//                          FP8 block128 epilogue's group amax reuses it                    [H / 128] u32
+//   [mix_squares_offset)   per consumer warp: the mixture's sum of squares                 [8] fp32, then
 //                          the FP8 epilogue's amax (per_token)                             [8] u32
-//   [1088, 1088 + 16 S)    the ring's mbarriers: full[S], then empty[S]                     8 bytes each
+//   [barriers_offset)      the ring's mbarriers: full[S], then empty[S]                     8 bytes each
 //   [norm_weight_offset)   H > 8192 only: the norm weight, bf16 (each thread's own vectors)  slot_bytes
 //   [ring_offset, ...)     S row slots of slot_bytes each (128-byte aligned)
+//
+// The header is sized for the call's N and W, not for the largest: at H = 7168 two blocks per SM then fit 8 slots
+// (a token of N <= 6 with the addend, or N <= 7 without, in one pass with a slot to spare) where a header sized
+// for N = 16 and 8 warps left room for 7.
 //
 // constexpr functions: usable from host code (plan.cpp, no CUDA) and device code alike.
 #pragma once
@@ -25,14 +31,10 @@ constexpr int32_t kProducerThreads = 32;    // one producer warp
 constexpr int32_t kMaxThreads = kMaxConsumerWarps * 32 + kProducerThreads;
 constexpr int32_t kMaxSlots = 64;
 
-constexpr int64_t kPartialsOffset = 0;
-constexpr int64_t kPartialsBytes = int64_t{kMaxCandidates} * kMaxConsumerWarps * 2 * 4;
-constexpr int64_t kMixSquaresOffset = kPartialsOffset + kPartialsBytes;
 constexpr int64_t kMixSquaresBytes = 64;
 // The FP8 epilogue's per-warp amax (per_token mode): the upper half of the mixture-squares block, unused by it.
-constexpr int64_t kFp8AmaxOffset = kMixSquaresOffset + 4 * kMaxConsumerWarps;
-static_assert(kFp8AmaxOffset + 4 * kMaxConsumerWarps <= kMixSquaresOffset + kMixSquaresBytes, "FP8 amax fits");
-constexpr int64_t kBarriersOffset = kMixSquaresOffset + kMixSquaresBytes;
+constexpr int64_t kFp8AmaxInMixSquares = 4 * kMaxConsumerWarps;
+static_assert(kFp8AmaxInMixSquares + 4 * kMaxConsumerWarps <= kMixSquaresBytes, "FP8 amax fits");
 constexpr int64_t kSlotAlign = 128;
 
 constexpr int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
@@ -76,12 +78,25 @@ constexpr bool norm_weight_in_shared(int32_t vectors) { return vectors == 8; }
 
 // One slot holds one candidate row (2H bytes), padded so every slot starts 128-byte aligned.
 constexpr int64_t slot_bytes(int64_t hidden) { return round_up(2 * hidden, kSlotAlign); }
-constexpr int64_t norm_weight_offset(int64_t slots) { return round_up(kBarriersOffset + 16 * slots, kSlotAlign); }
-constexpr int64_t ring_offset(int64_t slots, int64_t hidden) {
-  return norm_weight_offset(slots) + (norm_weight_in_shared(vectors_per_thread(hidden)) ? slot_bytes(hidden) : 0);
+// The header's blocks (see the layout above); 16-byte multiples, so the mbarriers are 8-byte aligned.
+constexpr int64_t partials_bytes(int64_t candidates, int64_t hidden) {
+  const int64_t scores = candidates * (consumer_threads(hidden) / 32) * 2 * 4;
+  const int64_t fp8_groups = (hidden / 8 + 15) / 16 * 4;
+  return round_up(scores > fp8_groups ? scores : fp8_groups, 16);
 }
-constexpr int64_t smem_bytes(int64_t slots, int64_t hidden) {
-  return ring_offset(slots, hidden) + slots * slot_bytes(hidden);
+constexpr int64_t mix_squares_offset(int64_t candidates, int64_t hidden) { return partials_bytes(candidates, hidden); }
+constexpr int64_t barriers_offset(int64_t candidates, int64_t hidden) {
+  return mix_squares_offset(candidates, hidden) + kMixSquaresBytes;
+}
+constexpr int64_t norm_weight_offset(int64_t slots, int64_t candidates, int64_t hidden) {
+  return round_up(barriers_offset(candidates, hidden) + 16 * slots, kSlotAlign);
+}
+constexpr int64_t ring_offset(int64_t slots, int64_t candidates, int64_t hidden) {
+  return norm_weight_offset(slots, candidates, hidden) +
+         (norm_weight_in_shared(vectors_per_thread(hidden)) ? slot_bytes(hidden) : 0);
+}
+constexpr int64_t smem_bytes(int64_t slots, int64_t candidates, int64_t hidden) {
+  return ring_offset(slots, candidates, hidden) + slots * slot_bytes(hidden);
 }
 
 // Blocks per SM: 2 where that geometry exists (two_blocks_fit), 1 otherwise (the plan's automatic choice), or
@@ -98,10 +113,10 @@ constexpr int64_t block_budget(int64_t optin, int32_t blocks_per_sm) {
   return blocks_per_sm <= 1 ? optin : (optin + kReservedSharedPerBlock) / blocks_per_sm - kReservedSharedPerBlock;
 }
 
-// The most slots (<= kMaxSlots) whose layout fits `budget` bytes; 0 when not even one does.
-constexpr int32_t max_slots(int64_t budget, int64_t hidden) {
+// The most slots (<= kMaxSlots) whose layout for `candidates` fits `budget` bytes; 0 when not even one does.
+constexpr int32_t max_slots(int64_t budget, int64_t candidates, int64_t hidden) {
   for (int32_t s = kMaxSlots; s >= 1; --s)
-    if (smem_bytes(s, hidden) <= budget) return s;
+    if (smem_bytes(s, candidates, hidden) <= budget) return s;
   return 0;
 }
 
@@ -113,7 +128,7 @@ constexpr int32_t max_slots(int64_t budget, int64_t hidden) {
 // (attnres::plan, run.cpp) and falls back to one block per SM for an automatic geometry.
 constexpr bool two_blocks_fit(int64_t hidden, bool fp8, int64_t optin) {
   return !fp8 && consumer_threads(hidden) + kProducerThreads <= kTwoBlocksMaxThreads &&
-         max_slots(block_budget(optin, 2), hidden) >= tuning::kPersistentMinSlots;
+         max_slots(block_budget(optin, 2), kMaxCandidates, hidden) >= tuning::kPersistentMinSlots;
 }
 
 static_assert(consumer_threads(attnres::kMaxHidden) <= kMaxConsumerWarps * 32,

@@ -152,11 +152,11 @@ int32_t persistent_blocks_per_sm(const PlanQuery& q, const DeviceInfo& dev, cons
   if (o.persistent_blocks_per_sm > 0) return o.persistent_blocks_per_sm;
   const int64_t optin = dev.shared_memory_per_block_optin;
   if (!persistent::two_blocks_fit(q.hidden, q.fp8 != Fp8Scales::none, optin)) return 1;
-  const int32_t fit = persistent::max_slots(persistent::block_budget(optin, 2), q.hidden);
+  const int32_t fit = persistent::max_slots(persistent::block_budget(optin, 2), q.candidates, q.hidden);
   if (o.persistent_slots > fit) return 1;
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
   const int64_t rows = q.candidates + (q.add ? 1 : 0);
-  if (o.persistent_passes == 1 && slots < rows + tuning::kPersistentOnePassSpareSlots) return 1;
+  if (o.persistent_passes == 1 && slots < rows) return 1;
   return 2;
 }
 
@@ -208,10 +208,10 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
                     "persistent_blocks_per_sm = " + std::to_string(per_sm) + " has no FP8 instance (fp8 = " +
                     fp8_scales_name(q.fp8) + ")");
   const int64_t budget = persistent::block_budget(dev.shared_memory_per_block_optin, per_sm);
-  const int32_t fit = persistent::max_slots(budget, H);
+  const int32_t fit = persistent::max_slots(budget, q.candidates, H);
   if (fit < tuning::kPersistentMinSlots)
     return declined(DeclineCode::persistent_shared_memory, "the persistent kernel needs " +
-                    std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, H)) +
+                    std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, q.candidates, H)) +
                     " bytes of shared memory per block for H = " + std::to_string(H) + " (" +
                     std::to_string(tuning::kPersistentMinSlots) + " row slots); " + device_name(dev.device) +
                     " offers " + std::to_string(budget) +
@@ -222,14 +222,14 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
                     " fits " + std::to_string(tuning::kPersistentMinSlots) + " to " + std::to_string(fit) +
                     " row slots in " + std::to_string(budget) + " bytes per block");
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
-  const bool one_pass_fits = slots >= rows + tuning::kPersistentOnePassSpareSlots;
-  if (o.persistent_passes == 1 && !one_pass_fits)
+  // One pass keeps a token's rows resident from scoring to mixing: it needs a slot per row. The automatic choice
+  // also wants tuning::kPersistentOnePassSpareSlots more, to stream the next token meanwhile.
+  if (o.persistent_passes == 1 && slots < rows)
     return declined(DeclineCode::persistent_one_pass,
-                    "persistent_passes = 1 needs " + std::to_string(rows + tuning::kPersistentOnePassSpareSlots) +
-                    " row slots (a token's " + std::to_string(rows) + " rows and " +
-                    std::to_string(tuning::kPersistentOnePassSpareSlots) + " spare); the ring has " +
-                    std::to_string(slots));
-  const int32_t passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass_fits ? 1 : 2;
+                    "persistent_passes = 1 needs a row slot for each of a token's " + std::to_string(rows) +
+                    " rows; the ring has " + std::to_string(slots));
+  const bool one_pass = slots >= rows + tuning::kPersistentOnePassSpareSlots;
+  const int32_t passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass ? 1 : 2;
   // Pass 2 streams the prefix again to mix, after pass 1 wrote `updated`: in place it would read the updated rows.
   if (q.in_place && passes == 2)
     return declined(DeclineCode::persistent_in_place_two_passes,
@@ -248,7 +248,7 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
   p.blocks_per_sm = per_sm;
   p.slots = slots;
   p.passes = passes;
-  p.smem_bytes = static_cast<int32_t>(persistent::smem_bytes(slots, H));
+  p.smem_bytes = static_cast<int32_t>(persistent::smem_bytes(slots, q.candidates, H));
   const int64_t resident = static_cast<int64_t>(std::max(dev.sm_count, 1)) * per_sm;
   p.blocks = static_cast<int32_t>(std::min<int64_t>(q.tokens, resident));
   return p;

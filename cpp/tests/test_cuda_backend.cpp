@@ -464,7 +464,7 @@ TEST(GpuPersistent, RingDepthPassesAndGridDoNotChangeBits) {
         p.slots = v.slots;
         p.passes = v.passes;
         p.blocks = v.blocks;
-        p.smem_bytes = static_cast<int32_t>(attnres::persistent::smem_bytes(v.slots, H));
+        p.smem_bytes = static_cast<int32_t>(attnres::persistent::smem_bytes(v.slots, cfg.K + 1, H));
         Stream stream;
         DeviceMirror mirror(before);
         attnres::detail::cuda_attn_res_persistent(P, mirror.args(stream.get()), p);

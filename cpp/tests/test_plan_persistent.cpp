@@ -37,7 +37,7 @@ Options one_block() {
 // parts: an instance (no FP8, <= 256 threads) and at least two slots in half the SM's shared memory.
 int32_t expected_blocks_per_sm(int64_t H, int32_t smem = kH200Smem, bool fp8 = false) {
   const bool instance = !fp8 && layout::consumer_threads(H) + layout::kProducerThreads <= layout::kTwoBlocksMaxThreads;
-  return instance && layout::max_slots(layout::block_budget(smem, 2), H) >= tuning::kPersistentMinSlots ? 2 : 1;
+  return instance && layout::max_slots(layout::block_budget(smem, 2), layout::kMaxCandidates, H) >= tuning::kPersistentMinSlots ? 2 : 1;
 }
 
 const int64_t kHidden[] = {8, 16, 64, 72, 1024, 2048, 2056, 2304, 4096, 4104, 7168, 8192, 8200, 12288, 16384};
@@ -67,13 +67,13 @@ TEST(PlanPersistent, EveryShapeIsServedWithAConsistentGeometry) {
           EXPECT_EQ(p.max_candidates, 16);
           EXPECT_GE(p.slots, tuning::kPersistentMinSlots);
           EXPECT_LE(p.slots, layout::kMaxSlots);
-          EXPECT_EQ(p.smem_bytes, layout::smem_bytes(p.slots, H));
+          EXPECT_EQ(p.smem_bytes, layout::smem_bytes(p.slots, N, H));
           EXPECT_EQ(p.blocks_per_sm, expected_blocks_per_sm(H));
           const int64_t budget = layout::block_budget(kH200Smem, p.blocks_per_sm);
           EXPECT_LE(p.smem_bytes, budget);
           if (p.blocks_per_sm == 2) { EXPECT_LE(p.threads, layout::kTwoBlocksMaxThreads); }
           // The ring is as deep as the block's budget allows (or the slot cap).
-          if (p.slots < layout::kMaxSlots) { EXPECT_GT(layout::smem_bytes(p.slots + 1, H), budget); }
+          if (p.slots < layout::kMaxSlots) { EXPECT_GT(layout::smem_bytes(p.slots + 1, N, H), budget); }
           const int64_t rows = N + (add ? 1 : 0);
           EXPECT_EQ(p.passes, p.slots >= rows + tuning::kPersistentOnePassSpareSlots ? 1 : 2);
           EXPECT_EQ(p.blocks, 132 * p.blocks_per_sm);
@@ -89,8 +89,8 @@ TEST(PlanPersistent, FastPathGeometry) {
   };
   // threads = one consumer warp per split_k rank chunk (each holding its chunk's 3-8 warps as vectors), or
   // one per split_k warp when those fit 8 warps (H <= 2048), + the producer warp; slots = the most 2H-byte
-  // (128-aligned) slots that fit 227 KB after the 1088-byte header, 16 bytes of mbarriers per slot and, for
-  // H > 8192, the norm weight.
+  // (128-aligned) slots that fit 227 KB after the header (persistent_layout.hpp: the partials of N = 9 candidates
+  // per consumer warp, the mixture squares, 16 bytes of mbarriers per slot) and, for H > 8192, the norm weight.
   for (const Pin& pin : {Pin{7168, 4, 256, 16}, Pin{2304, 4, 128, 50}, Pin{4096, 4, 160, 28}, Pin{8192, 4, 288, 14},
                          Pin{16384, 8, 288, 6}, Pin{2056, 4, 128, 54}, Pin{2048, 1, 288, 56}, Pin{1024, 1, 160, 64},
                          Pin{8, 1, 64, 64}}) {
@@ -106,7 +106,7 @@ TEST(PlanPersistent, FastPathGeometry) {
   // 10 rows per token in a 16-slot ring.
   Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), h200(), one_block());
   EXPECT_EQ(p.passes, 1);
-  EXPECT_EQ(p.smem_bytes, 1408 + 16 * 14336);
+  EXPECT_EQ(p.smem_bytes, 896 + 16 * 14336);  // header: 9 * 7 * 8 -> 512, + 64, + 16 * 16, to 128
   // H = 7168: one pass up to 15 rows per token, two beyond.
   p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 14, 7168, true), h200(), one_block());
   EXPECT_EQ(p.passes, 1);
@@ -156,11 +156,11 @@ TEST(PlanPersistent, SmallSharedMemoryShrinksTheRingOrDeclines) {
   const DeviceInfo small = h200(101376);  // a 99 KB part
   Plan p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 7168, true), small, one_block());
   ASSERT_TRUE(p.accepted()) << p.decline;
-  EXPECT_EQ(p.slots, 6);
+  EXPECT_EQ(p.slots, 7);
   EXPECT_EQ(p.passes, 2);
   EXPECT_LE(p.smem_bytes, 101376);
 
-  const int64_t need = layout::smem_bytes(2, 16384);
+  const int64_t need = layout::smem_bytes(2, 9, 16384);
   const DeviceInfo tiny = h200(static_cast<int32_t>(need - 1));
   p = attnres::plan(query(AttnResOp::attn_res_add_rmsnorm_persistent, 4096, 9, 16384, true), tiny, Options{});
   EXPECT_FALSE(p.accepted());
@@ -271,18 +271,18 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
     q.fp8 = fp8;
     return attnres::plan(q, dev, Options{});
   };
-  // Kimi K3: 7 slots of 14336 bytes in (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes; one pass up to 6 rows a token.
+  // Kimi K3: 8 slots of 14336 bytes in (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes; one pass up to 7 rows a token.
   Plan p = plan(16384, 9, 7168);
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.blocks_per_sm, 2);
-  EXPECT_EQ(p.slots, 7);
+  EXPECT_EQ(p.slots, 8);
   EXPECT_EQ(p.passes, 2);
   EXPECT_EQ(p.blocks, 264);
   EXPECT_EQ(p.threads, 256);
-  EXPECT_EQ(p.smem_bytes, 1280 + 7 * 14336);
+  EXPECT_EQ(p.smem_bytes, 768 + 8 * 14336);
   EXPECT_EQ(plan(4096, 2, 7168).passes, 1);
-  EXPECT_EQ(plan(4096, 5, 7168).passes, 1);  // 6 rows + 1 spare
-  EXPECT_EQ(plan(4096, 6, 7168).passes, 2);
+  EXPECT_EQ(plan(4096, 6, 7168).passes, 1);  // 7 rows + 1 spare
+  EXPECT_EQ(plan(4096, 7, 7168).passes, 2);
   EXPECT_EQ(plan(100, 9, 7168).blocks, 100);
   EXPECT_EQ(plan(200, 9, 7168).blocks, 200);
   // Kimi Linear and H = 4096: two blocks too.
@@ -296,7 +296,7 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
     ASSERT_TRUE(p.accepted()) << p.decline;
     EXPECT_EQ(p.blocks_per_sm, 1);
     EXPECT_GT(p.threads, layout::kTwoBlocksMaxThreads);
-    EXPECT_EQ(p.slots, layout::max_slots(kH200Smem, H));
+    EXPECT_EQ(p.slots, layout::max_slots(kH200Smem, 9, H));
     EXPECT_FALSE(layout::two_blocks_fit(H, false, kH200Smem));
   }
   for (Fp8Scales fp8 : {Fp8Scales::per_token, Fp8Scales::block128}) {
@@ -309,10 +309,10 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_TRUE(layout::two_blocks_fit(7168, false, kH200Smem));
   // Fall-back to one block where half the SM holds fewer than two slots: at H = 7168 two slots need
   // smem_bytes(2) per block, i.e. an opt-in of 2 * (that + 1 KB) - 1 KB.
-  const int64_t need2 = 2 * (layout::smem_bytes(2, 7168) + layout::kReservedSharedPerBlock) -
+  const int64_t need2 = 2 * (layout::smem_bytes(2, layout::kMaxCandidates, 7168) + layout::kReservedSharedPerBlock) -
                         layout::kReservedSharedPerBlock;
-  EXPECT_EQ(layout::max_slots(layout::block_budget(need2, 2), 7168), 2);
-  EXPECT_EQ(layout::max_slots(layout::block_budget(need2 - 1, 2), 7168), 1);
+  EXPECT_EQ(layout::max_slots(layout::block_budget(need2, 2), layout::kMaxCandidates, 7168), 2);
+  EXPECT_EQ(layout::max_slots(layout::block_budget(need2 - 1, 2), layout::kMaxCandidates, 7168), 1);
   p = plan(4096, 2, 7168, Fp8Scales::none, h200(static_cast<int32_t>(need2)));
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.blocks_per_sm, 2);
@@ -320,7 +320,7 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   p = plan(4096, 2, 7168, Fp8Scales::none, h200(static_cast<int32_t>(need2 - 1)));
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.blocks_per_sm, 1);
-  EXPECT_EQ(p.slots, layout::max_slots(need2 - 1, 7168));
+  EXPECT_EQ(p.slots, layout::max_slots(need2 - 1, 2, 7168));
   // The 99 KB part keeps two blocks of 3 slots at H = 7168.
   p = plan(4096, 9, 7168, Fp8Scales::none, h200(101376));
   EXPECT_EQ(p.blocks_per_sm, 2);
@@ -434,7 +434,7 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
     EXPECT_EQ(kernel(4096, 7168, fp8), KernelKind::split_k);
     EXPECT_EQ(kernel(16384, 7168, fp8), KernelKind::split_k);
   }
-  const int32_t short_smem = static_cast<int32_t>(2 * (layout::smem_bytes(2, 7168) + layout::kReservedSharedPerBlock) -
+  const int32_t short_smem = static_cast<int32_t>(2 * (layout::smem_bytes(2, layout::kMaxCandidates, 7168) + layout::kReservedSharedPerBlock) -
                                                   layout::kReservedSharedPerBlock - 1);
   EXPECT_EQ(kernel(16384, 7168, Fp8Scales::none, Options{}, h200(short_smem)), KernelKind::split_k);
   // Forcing one block per SM takes the geometry away from the automatic topology; forcing two keeps it.
@@ -465,20 +465,33 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
 }
 
 TEST(PlanPersistent, LayoutArithmetic) {
-  // The header (partials, mixture squares) precedes the mbarriers; slots are 128-byte aligned.
-  EXPECT_EQ(layout::kPartialsBytes, 16 * 8 * 2 * 4);
-  EXPECT_EQ(layout::kBarriersOffset, 1088);
+  // The header (partials sized for the call's N and consumer warps, or the FP8 group amax; the mixture squares)
+  // precedes the mbarriers, 8-byte aligned; slots are 128-byte aligned.
+  EXPECT_EQ(layout::consumer_threads(7168), 7 * 32);
+  EXPECT_EQ(layout::partials_bytes(16, 7168), 16 * 7 * 2 * 4);
+  EXPECT_EQ(layout::partials_bytes(1, 7168), 7168 / 128 * 4);  // the block128 group amax is the larger
+  EXPECT_EQ(layout::barriers_offset(16, 7168), 16 * 7 * 2 * 4 + 64);
+  // H = 7168 at two blocks per SM on sm_90 (227 KB opt-in): 8 slots for N <= 14, 7 above.
+  const int64_t two = layout::block_budget(232448, 2);
+  EXPECT_EQ(layout::max_slots(two, 7, 7168), 8);
+  EXPECT_EQ(layout::max_slots(two, 14, 7168), 8);
+  EXPECT_EQ(layout::max_slots(two, 15, 7168), 7);
   for (int64_t H : kHidden)
-    for (int32_t s = 1; s <= layout::kMaxSlots; ++s) {
-      EXPECT_EQ(layout::ring_offset(s, H) % 128, 0);
-      EXPECT_GE(layout::norm_weight_offset(s), layout::kBarriersOffset + 16 * s);
-      EXPECT_EQ(layout::slot_bytes(H) % 128, 0);
-      EXPECT_GE(layout::slot_bytes(H), 2 * H);
-      EXPECT_EQ(layout::ring_offset(s, H) - layout::norm_weight_offset(s),
-                layout::norm_weight_in_shared(layout::vectors_per_thread(H)) ? layout::slot_bytes(H) : 0);
+    for (int64_t N : {int64_t{1}, int64_t{2}, int64_t{9}, int64_t{16}}) {
+      EXPECT_GE(layout::partials_bytes(N, H), N * layout::consumer_threads(H) / 32 * 2 * 4);
+      EXPECT_GE(layout::partials_bytes(N, H), (H / 8 + 15) / 16 * 4);
+      EXPECT_EQ(layout::barriers_offset(N, H) % 8, 0);
+      for (int32_t s = 1; s <= layout::kMaxSlots; ++s) {
+        EXPECT_EQ(layout::ring_offset(s, N, H) % 128, 0);
+        EXPECT_GE(layout::norm_weight_offset(s, N, H), layout::barriers_offset(N, H) + 16 * s);
+        EXPECT_EQ(layout::slot_bytes(H) % 128, 0);
+        EXPECT_GE(layout::slot_bytes(H), 2 * H);
+        EXPECT_EQ(layout::ring_offset(s, N, H) - layout::norm_weight_offset(s, N, H),
+                  layout::norm_weight_in_shared(layout::vectors_per_thread(H)) ? layout::slot_bytes(H) : 0);
+      }
     }
-  EXPECT_EQ(layout::max_slots(0, 64), 0);
-  EXPECT_EQ(layout::max_slots(1 << 30, 64), layout::kMaxSlots);
+  EXPECT_EQ(layout::max_slots(0, 9, 64), 0);
+  EXPECT_EQ(layout::max_slots(1 << 30, 9, 64), layout::kMaxSlots);
 }
 
 }  // namespace

@@ -42,27 +42,29 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   EXPECT_EQ(base.passes, 1);
   EXPECT_EQ(base.blocks, 132);
 
-  // Two blocks per SM: each block gets (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes: 7 slots (8 would need 115968).
+  // Two blocks per SM: each block gets (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes: 8 slots after a header for N = 9
+  // and 7 consumer warps (768 bytes); a header for N = 16 (1280 bytes) leaves room for 7.
   EXPECT_EQ(layout::block_budget(kH200Smem, 2), 115712);
   Plan two = attnres::plan(query(16384, 9, 7168, true), h200(), knobs(2, 0, 0));
   ASSERT_TRUE(two.accepted()) << two.decline;
   EXPECT_EQ(two.blocks_per_sm, 2);
-  EXPECT_EQ(two.slots, 7);
-  EXPECT_EQ(two.smem_bytes, 1280 + 7 * 14336);
+  EXPECT_EQ(two.slots, 8);
+  EXPECT_EQ(two.smem_bytes, 768 + 8 * 14336);
   EXPECT_LE(2 * (two.smem_bytes + layout::kReservedSharedPerBlock), kH200SmPerSm);
-  EXPECT_GT(layout::smem_bytes(8, 7168), layout::block_budget(kH200Smem, 2));
-  EXPECT_EQ(two.passes, 2);  // 10 rows per token do not fit 7 slots
+  EXPECT_GT(layout::smem_bytes(9, 9, 7168), layout::block_budget(kH200Smem, 2));
+  EXPECT_EQ(layout::max_slots(layout::block_budget(kH200Smem, 2), 16, 7168), 7);
+  EXPECT_EQ(two.passes, 2);  // 10 rows per token and a spare do not fit 8 slots
   EXPECT_EQ(two.blocks, 264);
   EXPECT_EQ(two.threads, base.threads);
   EXPECT_EQ(two.vectors, base.vectors);
   two = attnres::plan(query(4096, 2, 7168, true), h200(), knobs(2, 0, 0));
   ASSERT_TRUE(two.accepted()) << two.decline;
-  EXPECT_EQ(two.passes, 1);  // 3 rows + 1 spare fit 7 slots
+  EXPECT_EQ(two.passes, 1);  // 3 rows + 1 spare fit 8 slots
   EXPECT_EQ(attnres::plan(query(100, 2, 7168, true), h200(), knobs(2, 0, 0)).blocks, 100);
   // The automatic geometry is the two-blocks one here.
   const Plan automatic = attnres::plan(query(16384, 9, 7168, true), h200(), Options{});
   EXPECT_EQ(automatic.blocks_per_sm, 2);
-  EXPECT_EQ(automatic.slots, 7);
+  EXPECT_EQ(automatic.slots, 8);
   EXPECT_EQ(automatic.passes, 2);
   EXPECT_EQ(automatic.blocks, 264);
 
@@ -71,7 +73,7 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.slots, 11);
   EXPECT_EQ(p.passes, 1);
-  EXPECT_EQ(p.smem_bytes, layout::smem_bytes(11, 7168));
+  EXPECT_EQ(p.smem_bytes, layout::smem_bytes(11, 9, 7168));
   EXPECT_EQ(attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 10, 0)).passes, 2);
   // Two passes forced over the full ring.
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(1, 0, 2));
@@ -84,20 +86,20 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   EXPECT_EQ(p.passes, base.passes);
   EXPECT_EQ(p.blocks, base.blocks);
   EXPECT_EQ(p.smem_bytes, base.smem_bytes);
-  p = attnres::plan(query(16384, 9, 7168, true), h200(), knobs(2, 7, 2));
+  p = attnres::plan(query(16384, 9, 7168, true), h200(), knobs(2, 8, 2));
   EXPECT_EQ(p.blocks_per_sm, automatic.blocks_per_sm);
   EXPECT_EQ(p.slots, automatic.slots);
   EXPECT_EQ(p.passes, automatic.passes);
   EXPECT_EQ(p.smem_bytes, automatic.smem_bytes);
   // Knobs the two-blocks geometry cannot honour leave the automatic choice at one block, not a decline: 11 slots
-  // (more than half the SM holds), or one pass for a token of 10 rows.
+  // (more than half the SM holds), or one pass for a token of 10 rows (8 slots).
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 11, 0));
   EXPECT_EQ(p.blocks_per_sm, 1);
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 0, 1));
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.blocks_per_sm, 1);
   EXPECT_EQ(p.slots, 16);
-  p = attnres::plan(query(4096, 2, 7168, true), h200(), knobs(0, 0, 1));  // 3 rows + 1 spare fit 7 slots
+  p = attnres::plan(query(4096, 2, 7168, true), h200(), knobs(0, 0, 1));  // 3 rows fit 8 slots
   EXPECT_EQ(p.blocks_per_sm, 2);
   EXPECT_EQ(p.passes, 1);
 }
@@ -121,17 +123,15 @@ TEST(PlanPersistentKnobs, KnobsNeverChangeTheArithmeticGeometry) {
               const Plan p = attnres::plan(q, h200(), knobs(bps, slots, passes));
               const int64_t rows = N + (add ? 1 : 0);
               // Automatic blocks per SM: two where that geometry exists and honours the other knobs.
-              const int32_t fit2 = layout::max_slots(layout::block_budget(kH200Smem, 2), H);
+              const int32_t fit2 = layout::max_slots(layout::block_budget(kH200Smem, 2), N, H);
               const bool two = layout::two_blocks_fit(H, false, kH200Smem) && slots <= fit2 &&
-                               !(passes == 1 && (slots ? slots : fit2) < rows + tuning::kPersistentOnePassSpareSlots);
+                               !(passes == 1 && (slots ? slots : fit2) < rows);
               const int32_t per_sm = bps == 0 ? (two ? 2 : 1) : bps;
               const int64_t budget = layout::block_budget(kH200Smem, per_sm);
               if (!p.accepted()) {
                 const bool too_many_threads = per_sm == 2 && base.threads > layout::kTwoBlocksMaxThreads;
-                const bool too_many_slots = slots > layout::max_slots(budget, H);
-                const bool one_pass_short =
-                    passes == 1 && (slots ? slots : layout::max_slots(budget, H)) <
-                                       rows + tuning::kPersistentOnePassSpareSlots;
+                const bool too_many_slots = slots > layout::max_slots(budget, N, H);
+                const bool one_pass_short = passes == 1 && (slots ? slots : layout::max_slots(budget, N, H)) < rows;
                 EXPECT_TRUE(too_many_threads || too_many_slots || one_pass_short) << p.decline;
                 continue;
               }
@@ -141,14 +141,15 @@ TEST(PlanPersistentKnobs, KnobsNeverChangeTheArithmeticGeometry) {
               EXPECT_EQ(p.max_candidates, base.max_candidates);
               EXPECT_EQ(p.blocks_per_sm, per_sm);
               EXPECT_EQ(p.blocks, 132 * per_sm);
-              EXPECT_EQ(p.slots, slots ? slots : layout::max_slots(budget, H));
-              EXPECT_EQ(p.smem_bytes, layout::smem_bytes(p.slots, H));
+              EXPECT_EQ(p.slots, slots ? slots : layout::max_slots(budget, N, H));
+              EXPECT_EQ(p.smem_bytes, layout::smem_bytes(p.slots, N, H));
               EXPECT_LE(p.smem_bytes, budget);
               EXPECT_LE(per_sm * (p.smem_bytes + layout::kReservedSharedPerBlock), kH200SmPerSm);
               if (per_sm == 2) { EXPECT_LE(p.threads, layout::kTwoBlocksMaxThreads); }
+              // Automatic: one pass with a spare slot; forced: one pass wherever a token's rows fit.
               const bool fits = p.slots >= rows + tuning::kPersistentOnePassSpareSlots;
               EXPECT_EQ(p.passes, passes ? passes : fits ? 1 : 2);
-              if (p.passes == 1) { EXPECT_TRUE(fits); }
+              if (p.passes == 1) { EXPECT_GE(p.slots, rows); }
             }
       }
 }
@@ -156,19 +157,19 @@ TEST(PlanPersistentKnobs, KnobsNeverChangeTheArithmeticGeometry) {
 TEST(PlanPersistentKnobs, GeometriesThatDoNotFitAreDeclined) {
   Plan p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 17, 0));
   EXPECT_EQ(p.decline, "persistent_slots = 17: H = 7168 fits 2 to 16 row slots in 232448 bytes per block");
-  p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(2, 8, 0));
-  EXPECT_EQ(p.decline, "persistent_slots = 8: H = 7168 fits 2 to 7 row slots in 115712 bytes per block");
+  p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(2, 9, 0));
+  EXPECT_EQ(p.decline, "persistent_slots = 9: H = 7168 fits 2 to 8 row slots in 115712 bytes per block");
   // A slot count below the minimum is judged on the automatic geometry (two blocks at H = 7168) ...
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 1, 0));
-  EXPECT_EQ(p.decline, "persistent_slots = 1: H = 7168 fits 2 to 7 row slots in 115712 bytes per block");
+  EXPECT_EQ(p.decline, "persistent_slots = 1: H = 7168 fits 2 to 8 row slots in 115712 bytes per block");
   // ... and on one block when forced.
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(1, 1, 0));
   EXPECT_EQ(p.decline, "persistent_slots = 1: H = 7168 fits 2 to 16 row slots in 232448 bytes per block");
-  p = attnres::plan(query(4096, 15, 7168, true), h200(), knobs(0, 0, 1));
-  EXPECT_EQ(p.decline,
-            "persistent_passes = 1 needs 17 row slots (a token's 16 rows and 1 spare); the ring has 16");
+  p = attnres::plan(query(4096, 16, 7168, true), h200(), knobs(0, 0, 1));
+  EXPECT_EQ(p.decline, "persistent_passes = 1 needs a row slot for each of a token's 17 rows; the ring has 16");
+  EXPECT_TRUE(attnres::plan(query(4096, 15, 7168, true), h200(), knobs(0, 0, 1)).accepted());  // 16 rows, 16 slots
   p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(2, 0, 1));
-  EXPECT_EQ(p.decline, "persistent_passes = 1 needs 11 row slots (a token's 10 rows and 1 spare); the ring has 7");
+  EXPECT_EQ(p.decline, "persistent_passes = 1 needs a row slot for each of a token's 10 rows; the ring has 8");
   p = attnres::plan(query(4096, 9, 8192, true), h200(), knobs(2, 0, 0));
   EXPECT_EQ(p.decline, "persistent_blocks_per_sm = 2 needs <= 256 threads per block; H = 8192 takes 288");
   PlanQuery fp8 = query(4096, 9, 7168, true);

@@ -206,7 +206,7 @@ TEST(PlanInPlace, TwoPassPersistentFallsBackOrDeclines) {
   PlanQuery op = q;
   op.op = kPersistentOp;
   expect_declined(attnres::plan(op, h200()), DeclineCode::persistent_in_place_two_passes,
-                  "a token's 10 rows need 11 row slots for one pass; the ring has 7");
+                  "a token's 10 rows need 11 row slots for one pass; the ring has 8");
   // The split topology's per-token side is unaffected.
   q.tokens = 64;
   expect_accepted(attnres::plan(q, h200(), split), KernelKind::split_k, Route::per_token);

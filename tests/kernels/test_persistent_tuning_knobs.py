@@ -22,9 +22,9 @@ def test_variant_geometry_on_a_described_h200():
     assert (base.blocks_per_sm, base.slots, base.passes, base.blocks, base.threads) == (1, 16, 1, 132, 256)
     two = _plan(V("two_blocks", blocks_per_sm=2))
     automatic = _plan(V("default"))
-    assert (automatic.blocks_per_sm, automatic.slots, automatic.passes, automatic.blocks) == (2, 7, 2, 264)
-    assert (two.blocks_per_sm, two.slots, two.passes, two.blocks, two.threads) == (2, 7, 2, 264, 256)
-    assert two.smem_bytes == 1280 + 7 * 14336 and two.vectors == base.vectors
+    assert (automatic.blocks_per_sm, automatic.slots, automatic.passes, automatic.blocks) == (2, 8, 2, 264)
+    assert (two.blocks_per_sm, two.slots, two.passes, two.blocks, two.threads) == (2, 8, 2, 264, 256)
+    assert two.smem_bytes == 768 + 8 * 14336 and two.vectors == base.vectors
     assert _plan(V("two_blocks", blocks_per_sm=2), N=2).passes == 1
     # 11 slots do not fit half the SM: the automatic blocks per SM fall back to one instead of declining.
     assert (_plan(V("spare1", slots=11)).slots, _plan(V("spare1", slots=11)).passes) == (11, 1)
@@ -35,7 +35,7 @@ def test_variant_geometry_on_a_described_h200():
     # one where the two-blocks geometry has no instance (H = 8192: 288 threads; FP8).
     p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=4096, candidates=9, hidden=7168, add=True,
                      device="h200")
-    assert p.blocks_per_sm == 2 and p.slots == 7
+    assert p.blocks_per_sm == 2 and p.slots == 8
     p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=4096, candidates=9, hidden=8192, add=True,
                      device="h200")
     assert p.blocks_per_sm == 1 and p.slots == 14

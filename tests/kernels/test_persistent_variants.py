@@ -97,7 +97,7 @@ def test_every_variant_gives_split_k_bits(H):
                     ran |= r
     assert not bad, f"{len(bad)} mismatches:\n" + "\n".join(bad[:20])
     # What the grid must reach: every variant where the plan accepts it (two blocks per SM needs <= 256
-    # threads and 2 slots in half the shared memory; the 7-slot ring fits up to H = 7168 or so).
+    # threads and 2 slots in half the shared memory; the 8-slot ring fits up to H = 7168 or so).
     assert {"default", "two_pass", "ring2", "spare1", "explicit_one"} <= ran, ran
     two_blocks = tuning.plan(V("b", blocks_per_sm=2), tokens=1, candidates=2, hidden=H, add=True).accepted
     assert ("two_blocks" in ran) == two_blocks, (H, ran)
@@ -110,7 +110,7 @@ def test_two_blocks_per_sm_are_resident_at_kimi_k3():
     running one block per SM): the call succeeds, and the plan is the one the benchmark measures."""
     p = tuning.plan(V("two_blocks", blocks_per_sm=2), tokens=4096, candidates=9, hidden=7168, add=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert (p.blocks_per_sm, p.slots, p.passes, p.blocks) == (2, 7, 2, min(4096, 2 * sms))
+    assert (p.blocks_per_sm, p.slots, p.passes, p.blocks) == (2, 8, 2, min(4096, 2 * sms))
     from test_persistent import gpu_inputs
 
     inp = gpu_inputs(4096, 9, 7168, add=True, seed=3)

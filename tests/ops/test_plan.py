@@ -303,7 +303,7 @@ def test_cuda_forced_cpu_kernel_and_token_limit_declined():
 def test_cuda_persistent_op_takes_the_persistent_kernel():
     p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=4096, candidates=9, hidden=7168, device="cuda",
                      add=True, options=attnres.Options(topology="persistent"))
-    # The default geometry on a Hopper GPU: two blocks per SM, whose half of the shared memory holds 7 rows of
+    # The default geometry on a Hopper GPU: two blocks per SM, whose half of the shared memory holds 8 rows of
     # H = 7168, fewer than a token's 10 (N = 9 and the prefix), so each token streams in two passes.
     sms = attnres.backend_info()["cuda_devices"][0]["sms"]
     assert p.kernel == "persistent" and p.blocks_per_sm == 2 and p.blocks == min(4096, 2 * sms), p

@@ -19,11 +19,11 @@ def test_benchmark_variants_of_each_point():
         plans = {v.name: p for v, p in got}
         assert all(p.accepted for p in plans.values()), {k: p.decline for k, p in plans.items()}
         assert plans["spare1"].slots == N + 2 and plans["spare1"].passes == 1
-        assert plans["half_ring"].slots == plans["two_blocks"].slots == 7
+        assert plans["half_ring"].slots == plans["two_blocks"].slots == 8
         assert plans["half_ring"].blocks_per_sm == 1 and plans["two_blocks"].blocks_per_sm == 2
         assert plans["two_pass"].passes == 2 and plans["one_block"].slots == 16
         assert all(plans[n].blocks_per_sm == 1 for n in ("one_block", "spare1", "two_pass", "half_ring"))
-        assert (plans["default"].blocks_per_sm, plans["default"].slots) == (2, 7)  # the plan's: two blocks
+        assert (plans["default"].blocks_per_sm, plans["default"].slots) == (2, 8)  # the plan's: two blocks
         assert len({p.threads for p in plans.values()}) == 1  # the bits' geometry never moves
     assert pv.points() == [(4096, 2, True), (16384, 2, True), (4096, 9, True), (16384, 9, True)]
 

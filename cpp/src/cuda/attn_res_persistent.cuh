@@ -98,7 +98,8 @@ struct PersistentParams {
   int32_t passes;     // 1 or 2
   uint32_t row_bytes;   // 2H
   uint32_t slot_bytes;  // persistent::slot_bytes(H)
-  uint32_t ring_offset; // persistent::ring_offset(slots)
+  // The header's offsets (persistent_layout.hpp, sized for this call's N and consumer warps).
+  uint32_t mix_squares_offset, barriers_offset, norm_weight_offset, ring_offset;
   float inv_hidden;
   float rms_eps, norm_eps;
   // FP8 epilogue (the Fp8Mode instances only): codes [T, H], scales [T, G] with strides {token, group}.
@@ -281,9 +282,9 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
                                   BLOCKS_PER_SM)
     attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  float* const partials = reinterpret_cast<float*>(smem + persistent::kPartialsOffset);  // [n][warp][2]
-  float* const mix_squares = reinterpret_cast<float*>(smem + persistent::kMixSquaresOffset);  // [warp]
-  const uint32_t full0 = shared_address(smem + persistent::kBarriersOffset);
+  float* const partials = reinterpret_cast<float*>(smem);  // [n][consumer warp][2]
+  float* const mix_squares = reinterpret_cast<float*>(smem + p.mix_squares_offset);  // [warp]
+  const uint32_t full0 = shared_address(smem + p.barriers_offset);
   const uint32_t empty0 = full0 + 8u * static_cast<uint32_t>(p.slots);
   const uint32_t ring = shared_address(smem + p.ring_offset);
   const unsigned char* const ring_ptr = smem + p.ring_offset;
@@ -322,7 +323,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
     const auto offset = [&](int j) { return static_cast<uint32_t>(first + 32 * j) * 16u; };
     float q[V][8];
     uint4 norm_w[kNormInRegisters ? V : 1];
-    unsigned char* const norm_smem = smem + persistent::norm_weight_offset(S);  // V = 8: thread-private
+    unsigned char* const norm_smem = smem + p.norm_weight_offset;  // V = 8: thread-private
 #pragma unroll
     for (int j = 0; j < V; ++j) {
       const int64_t col = valid(j) ? static_cast<int64_t>(first + 32 * j) * 8 : 0;
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           const uint4 x = valid(j) ? *reinterpret_cast<const uint4*>(row + offset(j)) : make_uint4(0, 0, 0, 0);
           vector_scores(x, q[j], ssj[j], dotj[j]);
         }
-        store_warp_partials<V>(ssj, dotj, partials + n * persistent::kMaxConsumerWarps * 2, warp, lane);
+        store_warp_partials<V>(ssj, dotj, partials + n * consumer_warps * 2, warp, lane);
         if (two_pass) {
           __syncwarp();
           if (lane == 0) mbarrier_arrive(empty0 + 8 * cur.slot);
@@ -389,7 +390,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           if (valid(j) && p.snapshot) store16(p.snapshot + t * p.bank_token_stride + offset(j) / 2, P);
           vector_scores(P, q[j], ssj[j], dotj[j]);  // the same code as a bank row's: only P's value differs
         }
-        store_warp_partials<V>(ssj, dotj, partials + K * persistent::kMaxConsumerWarps * 2, warp, lane);
+        store_warp_partials<V>(ssj, dotj, partials + K * consumer_warps * 2, warp, lane);
         if (two_pass) {
           __syncwarp();
           if (lane == 0) {
@@ -405,7 +406,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
       {
         float ss = 1.0f, dot = 0.0f;
         if (lane < N) {
-          const float* mine = partials + lane * persistent::kMaxConsumerWarps * 2;
+          const float* mine = partials + lane * consumer_warps * 2;
           ss = chunked_sum(mine, 2, p.chunks, G);
           dot = chunked_sum(mine + 1, 2, p.chunks, G);
         }
@@ -538,7 +539,8 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
             uint32_t mine = 0;
 #pragma unroll
             for (int j = 0; j < V; ++j) mine = max(mine, amax_bits8(output_vector(j)));
-            uint32_t* const warp_amax = reinterpret_cast<uint32_t*>(smem + persistent::kFp8AmaxOffset);
+            uint32_t* const warp_amax =
+                reinterpret_cast<uint32_t*>(smem + p.mix_squares_offset + persistent::kFp8AmaxInMixSquares);
             mine = warp_max_u32(mine);
             if (lane == 0) warp_amax[warp] = mine;
             consumer_barrier(C);

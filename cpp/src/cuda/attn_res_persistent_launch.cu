@@ -64,6 +64,7 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   const bool add = a.layer_residual_add.present();
   const PersistentKernel kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
   const int64_t H = a.layer_residual.shape[1];
+  const int64_t N = a.block_residual.shape[0] + 1;  // the header's size depends on it (persistent_layout.hpp)
   const int32_t consumers = plan.threads - persistent::kProducerThreads;
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
   if (kernel == nullptr || a.layer_residual_add2.present() || plan.slots < 1 || plan.passes < 1 ||
@@ -71,7 +72,7 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
       consumers > persistent::kMaxConsumerWarps * 32 || consumers != persistent::consumer_threads(H) ||
       (plan.blocks_per_sm > 1 && plan.threads > persistent::kTwoBlocksMaxThreads) ||
       plan.vectors != persistent::vectors_per_thread(H) ||
-      plan.smem_bytes != persistent::smem_bytes(plan.slots, H))
+      plan.smem_bytes != persistent::smem_bytes(plan.slots, N, H))
     throw UnsupportedError(std::string(op_name(op)) + ": no persistent kernel instance for the plan (vectors " +
                            std::to_string(plan.vectors) + ", threads " + std::to_string(plan.threads) +
                            ", blocks per SM " + std::to_string(plan.blocks_per_sm) +
@@ -106,7 +107,10 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   p.passes = plan.passes;
   p.row_bytes = static_cast<uint32_t>(2 * H);
   p.slot_bytes = static_cast<uint32_t>(persistent::slot_bytes(H));
-  p.ring_offset = static_cast<uint32_t>(persistent::ring_offset(plan.slots, H));
+  p.mix_squares_offset = static_cast<uint32_t>(persistent::mix_squares_offset(N, H));
+  p.barriers_offset = static_cast<uint32_t>(persistent::barriers_offset(N, H));
+  p.norm_weight_offset = static_cast<uint32_t>(persistent::norm_weight_offset(plan.slots, N, H));
+  p.ring_offset = static_cast<uint32_t>(persistent::ring_offset(plan.slots, N, H));
 
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
