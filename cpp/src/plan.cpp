@@ -191,8 +191,9 @@ std::string persistent_decline(const PlanQuery& q) {
 
 // The persistent kernel's geometry (cuda/attn_res_persistent.cuh): consumer warps and the vector bucket from H
 // alone (they fix every reduction order), the ring as deep as the device's shared memory allows, one pass when
-// a token's rows fit the ring with room to stream the next token, two passes otherwise; two blocks per SM where
-// that geometry exists, one otherwise (persistent_blocks_per_sm). The tuning knobs (Options::persistent_*) change only the ring, the passes and the blocks per SM, never a bit.
+// a token's rows and the geometry's spare slots fit the ring (tuning::persistent_one_pass_spare_slots), two
+// passes otherwise; two blocks per SM where that geometry exists, one otherwise (persistent_blocks_per_sm). The
+// tuning knobs (Options::persistent_*) change only the ring, the passes and the blocks per SM, never a bit.
 Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t H = q.hidden;
   const int64_t rows = q.candidates + (q.add ? 1 : 0);  // rows streamed per token: K bank rows, prefix, addend
@@ -222,20 +223,20 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
                     " fits " + std::to_string(tuning::kPersistentMinSlots) + " to " + std::to_string(fit) +
                     " row slots in " + std::to_string(budget) + " bytes per block");
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
-  // One pass keeps a token's rows resident from scoring to mixing: it needs a slot per row. The automatic choice
-  // also wants tuning::kPersistentOnePassSpareSlots more, to stream the next token meanwhile.
+  // One pass needs a slot per row of a token; the automatic choice also wants the spare slots of the geometry.
   if (o.persistent_passes == 1 && slots < rows)
     return declined(DeclineCode::persistent_one_pass,
                     "persistent_passes = 1 needs a row slot for each of a token's " + std::to_string(rows) +
                     " rows; the ring has " + std::to_string(slots));
-  const bool one_pass = slots >= rows + tuning::kPersistentOnePassSpareSlots;
+  const int64_t spare = tuning::persistent_one_pass_spare_slots(per_sm);
+  const bool one_pass = slots >= rows + spare;
   const int32_t passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass ? 1 : 2;
   // Pass 2 streams the prefix again to mix, after pass 1 wrote `updated`: in place it would read the updated rows.
   if (q.in_place && passes == 2)
     return declined(DeclineCode::persistent_in_place_two_passes,
                     "the persistent kernel's two passes re-read layer_residual after writing updated, so it cannot "
                     "update in place here (a token's " + std::to_string(rows) + " rows need " +
-                    std::to_string(rows + tuning::kPersistentOnePassSpareSlots) + " row slots for one pass; the "
+                    std::to_string(rows + spare) + " row slots for one pass; the "
                     "ring has " + std::to_string(slots) + "): pass a separate updated or use the per-token kernels");
   Plan p;
   p.kernel = KernelKind::persistent;

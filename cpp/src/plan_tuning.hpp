@@ -35,9 +35,13 @@ constexpr int32_t candidate_bucket(int64_t n) {
 // (persistent::two_blocks_fit: no FP8, <= 256 threads, >= kPersistentMinSlots slots), one block with the whole
 // 227 KB otherwise; one block measured slower, it cannot keep enough rows in flight while its consumers reduce
 // and mix (docs/performance.md). Options::persistent_blocks_per_sm forces either.
-// Slots one pass needs beyond a token's rows (kept resident from scoring to mixing), so the next token's rows
-// stream while this one is reduced and mixed; larger tokens take two passes.
-constexpr int64_t kPersistentOnePassSpareSlots = 1;
+// One pass keeps a token's rows resident from scoring to mixing and needs a slot per row; the automatic choice
+// takes it when the ring also has these spare slots (to stream the next token meanwhile), two passes otherwise.
+// Two blocks per SM: none, the SM's other block streams while this one reduces and mixes. At H = 7168 on an H100
+// one pass without a spare slot ran 212 us where two passes ran 269 (T = 4096, N = 7, one addend) and level with
+// a spare slot where both fit (bench_results/h100_ccde7bb_persistent_slots_ab.json). One block per SM: one spare
+// slot (no other block to stream; one pass without a spare is not measured there).
+constexpr int64_t persistent_one_pass_spare_slots(int32_t blocks_per_sm) { return blocks_per_sm >= 2 ? 0 : 1; }
 // Slots two passes need: they hold at most the prefix and the addend at once; with fewer the plan declines.
 constexpr int32_t kPersistentMinSlots = 2;
 

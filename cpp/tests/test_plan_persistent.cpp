@@ -75,7 +75,7 @@ TEST(PlanPersistent, EveryShapeIsServedWithAConsistentGeometry) {
           // The ring is as deep as the block's budget allows (or the slot cap).
           if (p.slots < layout::kMaxSlots) { EXPECT_GT(layout::smem_bytes(p.slots + 1, N, H), budget); }
           const int64_t rows = N + (add ? 1 : 0);
-          EXPECT_EQ(p.passes, p.slots >= rows + tuning::kPersistentOnePassSpareSlots ? 1 : 2);
+          EXPECT_EQ(p.passes, p.slots >= rows + tuning::persistent_one_pass_spare_slots(p.blocks_per_sm) ? 1 : 2);
           EXPECT_EQ(p.blocks, 132 * p.blocks_per_sm);
         }
 }
@@ -271,7 +271,8 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
     q.fp8 = fp8;
     return attnres::plan(q, dev, Options{});
   };
-  // Kimi K3: 8 slots of 14336 bytes in (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes; one pass up to 7 rows a token.
+  // Kimi K3: 8 slots of 14336 bytes in (227 KB + 1 KB) / 2 - 1 KB = 115712 bytes; one pass up to 8 rows a token
+  // (two blocks per SM want no spare slot).
   Plan p = plan(16384, 9, 7168);
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.blocks_per_sm, 2);
@@ -281,8 +282,8 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(p.threads, 256);
   EXPECT_EQ(p.smem_bytes, 768 + 8 * 14336);
   EXPECT_EQ(plan(4096, 2, 7168).passes, 1);
-  EXPECT_EQ(plan(4096, 6, 7168).passes, 1);  // 7 rows + 1 spare
-  EXPECT_EQ(plan(4096, 7, 7168).passes, 2);
+  EXPECT_EQ(plan(4096, 7, 7168).passes, 1);  // 8 rows, 8 slots
+  EXPECT_EQ(plan(4096, 8, 7168).passes, 2);
   EXPECT_EQ(plan(100, 9, 7168).blocks, 100);
   EXPECT_EQ(plan(200, 9, 7168).blocks, 200);
   // Kimi Linear and H = 4096: two blocks too.

@@ -53,13 +53,13 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   EXPECT_LE(2 * (two.smem_bytes + layout::kReservedSharedPerBlock), kH200SmPerSm);
   EXPECT_GT(layout::smem_bytes(9, 9, 7168), layout::block_budget(kH200Smem, 2));
   EXPECT_EQ(layout::max_slots(layout::block_budget(kH200Smem, 2), 16, 7168), 7);
-  EXPECT_EQ(two.passes, 2);  // 10 rows per token and a spare do not fit 8 slots
+  EXPECT_EQ(two.passes, 2);  // 10 rows per token do not fit 8 slots
   EXPECT_EQ(two.blocks, 264);
   EXPECT_EQ(two.threads, base.threads);
   EXPECT_EQ(two.vectors, base.vectors);
   two = attnres::plan(query(4096, 2, 7168, true), h200(), knobs(2, 0, 0));
   ASSERT_TRUE(two.accepted()) << two.decline;
-  EXPECT_EQ(two.passes, 1);  // 3 rows + 1 spare fit 8 slots
+  EXPECT_EQ(two.passes, 1);  // 3 rows fit 8 slots
   EXPECT_EQ(attnres::plan(query(100, 2, 7168, true), h200(), knobs(2, 0, 0)).blocks, 100);
   // The automatic geometry is the two-blocks one here.
   const Plan automatic = attnres::plan(query(16384, 9, 7168, true), h200(), Options{});
@@ -68,7 +68,8 @@ TEST(PlanPersistentKnobs, VariantGeometryAtKimiK3) {
   EXPECT_EQ(automatic.passes, 2);
   EXPECT_EQ(automatic.blocks, 264);
 
-  // A shallower ring: one pass while a token's rows and a spare slot fit, two passes below.
+  // A shallower ring (one block per SM: 11 slots do not fit half the SM): one pass while a token's rows and a
+  // spare slot fit, two passes below.
   Plan p = attnres::plan(query(4096, 9, 7168, true), h200(), knobs(0, 11, 0));
   ASSERT_TRUE(p.accepted()) << p.decline;
   EXPECT_EQ(p.slots, 11);
@@ -146,8 +147,8 @@ TEST(PlanPersistentKnobs, KnobsNeverChangeTheArithmeticGeometry) {
               EXPECT_LE(p.smem_bytes, budget);
               EXPECT_LE(per_sm * (p.smem_bytes + layout::kReservedSharedPerBlock), kH200SmPerSm);
               if (per_sm == 2) { EXPECT_LE(p.threads, layout::kTwoBlocksMaxThreads); }
-              // Automatic: one pass with a spare slot; forced: one pass wherever a token's rows fit.
-              const bool fits = p.slots >= rows + tuning::kPersistentOnePassSpareSlots;
+              // Automatic: one pass with the geometry's spare slots; forced: wherever a token's rows fit.
+              const bool fits = p.slots >= rows + tuning::persistent_one_pass_spare_slots(per_sm);
               EXPECT_EQ(p.passes, passes ? passes : fits ? 1 : 2);
               if (p.passes == 1) { EXPECT_GE(p.slots, rows); }
             }

@@ -206,14 +206,14 @@ TEST(PlanInPlace, TwoPassPersistentFallsBackOrDeclines) {
   PlanQuery op = q;
   op.op = kPersistentOp;
   expect_declined(attnres::plan(op, h200()), DeclineCode::persistent_in_place_two_passes,
-                  "a token's 10 rows need 11 row slots for one pass; the ring has 8");
+                  "a token's 10 rows need 10 row slots for one pass; the ring has 8");
   // The split topology's per-token side is unaffected.
   q.tokens = 64;
   expect_accepted(attnres::plan(q, h200(), split), KernelKind::split_k, Route::per_token);
 }
 
 TEST(PlanInPlace, OnePassRunsInPlace) {
-  PlanQuery q = query(kAdd, 4096, 5, 7168, true);  // 6 rows + 1 spare fit the 7 slots: one pass
+  PlanQuery q = query(kAdd, 4096, 5, 7168, true);  // 6 rows fit the 8 slots: one pass
   q.in_place = true;
   const Plan p = attnres::plan(q, h200());
   expect_accepted(p, KernelKind::persistent, Route::persistent);

@@ -176,8 +176,10 @@ CASES = [
     (16384, 5, 2304, "snapshot_major", True, "persistent_op", E_SAME, {}),
     (16384, 3, 7168, "token_major", True, "topology", E_SAME, {}),
     (1024, 16, 7168, "snapshot_major", True, "persistent_op", E_SAME, {}),  # two passes
-    (300, 15, 7168, "token_major", True, "persistent_op", E_NORM_BIG, {}),  # two passes: 16 rows, 16 slots
-    (300, 14, 7168, "token_major", True, "persistent_op", E_SAME, {}),  # one pass: 15 rows + 1 spare slot
+    (300, 15, 7168, "token_major", True, "persistent_op", E_NORM_BIG, {}),  # two passes: 16 rows, 7 slots
+    (300, 14, 7168, "token_major", True, "persistent_op", E_SAME, {}),  # two passes: 15 rows, 8 slots
+    (1024, 7, 7168, "token_major", True, "persistent_op", E_SAME, {}),  # one pass, no spare slot: 8 rows, 8 slots
+    (300, 8, 7168, "snapshot_major", False, "persistent_op", E_RMS_BIG, {}),  # the same without the addend
     (33, 16, 16384, "token_major", True, "persistent_op", E_SAME, {}),  # two passes, norm weight in smem
     (300, 4, 16384, "snapshot_major", True, "topology", E_RMS_BIG, {}),  # one pass at H = 16384
     (1024, 3, 4096, "contiguous", False, "persistent_op", E_SAME, {}),

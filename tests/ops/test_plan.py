@@ -367,8 +367,8 @@ def test_in_place_never_takes_the_two_pass_persistent_kernel():
     p = attnres.plan("attn_res_add_rmsnorm_persistent", in_place=True, **base)
     assert (p.accepted, p.decline_code) == (False, "persistent_in_place_two_passes"), p
     assert "cannot update in place" in p.decline
-    # One pass (N = 5: six rows and a spare fit the ring) runs in place.
-    p = attnres.plan("attn_res_add_rmsnorm", in_place=True, **{**base, "candidates": 5})
+    # One pass (N = 7: eight rows fit the ring of 8 slots) runs in place.
+    p = attnres.plan("attn_res_add_rmsnorm", in_place=True, **{**base, "candidates": 7})
     assert (p.route, p.passes) == ("persistent", 1), p
 
 
