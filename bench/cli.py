@@ -53,7 +53,7 @@ HELP = {
     "device": "cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a small "
               "config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing",
     "tokens": "comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8, its MoE "
-              "finalize 1,8,16,32; topology: the grid's T values instead)",
+              "finalize 1,8,16,32; topology and persistent --variants: the grid's T values instead)",
     "hidden": "hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)",
     "layers": "decoder layers (default 93 on cuda; on cpu 26, tp: 10)",
 }
@@ -74,10 +74,14 @@ def parser() -> argparse.ArgumentParser:
     v = p.add_argument_group("persistent")
     v.add_argument("--variants", action="store_true",
                    help="persistent: time the kernel's geometry variants (blocks per SM, ring slots, passes) "
-                        "interleaved against the copy floor, each checked bitwise (docs/performance.md)")
+                        "interleaved against the copy floor, each checked bitwise (docs/performance.md); "
+                        "--tokens, --candidates and --no-add choose its points")
+    v.add_argument("--candidates", default=None,
+                   help="persistent --variants: comma-separated N values (default 2,9)")
     o = p.add_argument_group("topology")
     o.add_argument("--no-add", action="store_true",
-                   help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend op")
+                   help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend "
+                        "op; persistent --variants: without the addend")
     o.add_argument("--mix", action="store_true",
                    help="topology: attn_res (no trailing norm, no fp32 diagnostics) instead of the normed op, with the "
                         "addend or, with --no-add, without it")
@@ -125,11 +129,29 @@ def _topology_step(args) -> common.Step:
                                                 tokens=common.chain_tokens(args) if args.tokens else None)
 
 
+def _candidates(args, p) -> tuple[int, ...]:
+    try:
+        values = tuple(int(n) for n in args.candidates.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        p.error(f"--candidates must be comma-separated integers >= 1, got {args.candidates!r}")
+    return values
+
+
 def _persistent_step(args) -> common.Step:
-    suite = persistent_variants if args.variants else persistent
-    return lambda progress, extra: suite.run(**({} if args.variants else {"quick": args.quick}),
-                                             H=args.hidden or persistent.H_DEFAULT, pdl=not args.no_pdl,
-                                             copy_tbs=_copy_floor(extra), progress=progress, repeats=args.repeats)
+    if not args.variants:
+        return lambda progress, extra: persistent.run(quick=args.quick, H=args.hidden or persistent.H_DEFAULT,
+                                                      pdl=not args.no_pdl, copy_tbs=_copy_floor(extra),
+                                                      progress=progress, repeats=args.repeats)
+    points = {"add": not args.no_add}
+    if args.tokens:
+        points["tokens"] = common.chain_tokens(args)
+    if args.candidates_values:
+        points["candidates"] = args.candidates_values
+    return lambda progress, extra: persistent_variants.run(H=args.hidden or persistent.H_DEFAULT,
+                                                           pdl=not args.no_pdl, copy_tbs=_copy_floor(extra),
+                                                           progress=progress, repeats=args.repeats, **points)
 
 
 # suite -> its steps, in order (all: the package's decode, finalize and chain among this harness's floors and tune).
@@ -157,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     common.check_device(p, args, CPU_SUITES)
     if args.variants and args.suite != "persistent":
         p.error("--variants applies to the persistent suite only")
-    if args.no_add and args.suite != "topology":
-        p.error("--no-add applies to the topology suite only")
+    if args.no_add and args.suite != "topology" and not args.variants:
+        p.error("--no-add applies to the topology suite and persistent --variants only")
+    if args.candidates is not None and not args.variants:
+        p.error("--candidates applies to persistent --variants only")
+    args.candidates_values = _candidates(args, p) if args.candidates is not None else None
     if args.mix and args.suite != "topology":
         p.error("--mix applies to the topology suite only")
     if args.variants and args.quick:
-        p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9): drop --quick")
+        p.error("--variants has one grid (T = 4096, 16384 x N = 2, 9; --tokens and --candidates choose others): "
+                "drop --quick")
     if args.suite == "persistent" and args.hidden is not None and not hidden_supported(args.hidden):
         p.error(f"--hidden must be {HIDDEN_RULE}, got {args.hidden}")
     if args.suite == "tp":

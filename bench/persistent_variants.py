@@ -1,15 +1,18 @@
 """The persistent kernel's geometry variants (python -m bench persistent --variants): one run measures
-every variant of attnres._persistent_tuning interleaved, at T in {4096, 16384} x N in {2, 9}, with the addend,
-H = 7168 by default, against the per-token kernel and the copy floor of the same run (floors.copy_bandwidth_tbs:
-the faster of copy_ and an SM copy kernel, after a warm-up).
+every variant of attnres._persistent_tuning interleaved, at T in {4096, 16384} x N in {2, 9} (--tokens and
+--candidates choose others), with the addend (--no-add: without it), H = 7168 by default, against the per-token
+kernel and the copy floor of the same run (floors.copy_bandwidth_tbs: the faster of copy_ and an SM copy kernel,
+after a warm-up).
 
 The variants (docs/performance.md, "Persistent kernel", predicts each):
-  default     the plan: two blocks per SM where that geometry exists (H = 7168: 7 slots each), else one;
+  default     the plan: two blocks per SM where that geometry exists (H = 7168: 8 slots each up to N = 14), else
+              one; one pass wherever a token's rows fit the ring;
   one_block   one block per SM, the deepest ring (16 slots at H = 7168), one pass where it fits;
   spare1      one block per SM, a ring of exactly a token's rows + 1 slot (one pass, nothing more to prefetch);
   two_pass    one block per SM, the deepest ring, every row streamed twice (released right after scoring);
-  half_ring   one block per SM with the ring two_blocks gets (7 slots at H = 7168);
-  two_blocks  two blocks per SM, each with half the SM's shared memory (7 slots; two passes at N = 9).
+  half_ring   one block per SM with the ring two_blocks gets (8 slots at H = 7168);
+  two_blocks  two blocks per SM, each with half the SM's shared memory (8 slots; two passes at N = 9);
+  two_blocks_two_pass  two blocks per SM, every row streamed twice (what one pass saves at N <= 7).
 
 Every variant's updated and output are compared bit for bit with the default geometry's and with the per-token
 kernel's at every point (same inputs); the run exits non-zero on a difference. Reported per variant: µs per
@@ -28,13 +31,13 @@ from .persistent import H_DEFAULT, op_bytes
 
 TOKENS = (4096, 16384)
 CANDIDATES = (2, 9)
-NAMES = ("default", "one_block", "spare1", "two_pass", "half_ring", "two_blocks")
+NAMES = ("default", "one_block", "spare1", "two_pass", "half_ring", "two_blocks", "two_blocks_two_pass")
 PER_TOKEN = "attnres/per_token"
 MIN_CALLS = 4  # calls per graph: a replay of one ~100 µs call is too short to time alone
 
 
-def points(tokens=TOKENS, candidates=CANDIDATES) -> list[tuple[int, int, bool]]:
-    return [(T, N, True) for N in candidates for T in tokens]
+def points(tokens=TOKENS, candidates=CANDIDATES, add: bool = True) -> list[tuple[int, int, bool]]:
+    return [(T, N, add) for N in candidates for T in tokens]
 
 
 def variants(T: int, N: int, H: int, add: bool, device="cuda") -> list[tuple[tuple[str, tuning.Variant], object]]:
@@ -47,7 +50,8 @@ def variants(T: int, N: int, H: int, add: bool, device="cuda") -> list[tuple[tup
     for v in (tuning.Variant("default"), tuning.Variant("one_block", blocks_per_sm=1),
               tuning.Variant("spare1", blocks_per_sm=1, slots=rows + 1),
               tuning.Variant("two_pass", blocks_per_sm=1, passes=2),
-              tuning.Variant("half_ring", blocks_per_sm=1, slots=two_slots), two):
+              tuning.Variant("half_ring", blocks_per_sm=1, slots=two_slots), two,
+              tuning.Variant("two_blocks_two_pass", blocks_per_sm=2, passes=2)):
         out.append((v, tuning.plan(v, tokens=T, candidates=N, hidden=H, add=add, device=device)))
     return out
 
@@ -107,13 +111,13 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
 
 
 def run(H: int = H_DEFAULT, pdl: bool = True, copy_tbs: float | None = None, progress=None, repeats: int = 25,
-        tokens=TOKENS, candidates=CANDIDATES) -> list[dict]:
+        tokens=TOKENS, candidates=CANDIDATES, add: bool = True) -> list[dict]:
     if copy_tbs is None:
         from .floors import copy_bandwidth_tbs
 
         copy_tbs = copy_bandwidth_tbs()
     records = []
-    pts = points(tokens, candidates)
+    pts = points(tokens, candidates, add)
     for i, (T, N, add) in enumerate(pts):
         records += run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats)
         torch.cuda.empty_cache()

@@ -11,8 +11,8 @@
 //   [ring_offset, ...)     S row slots of slot_bytes each (128-byte aligned)
 //
 // The header is sized for the call's N and W, not for the largest: at H = 7168 two blocks per SM then fit 8 slots
-// (a token of N <= 6 with the addend, or N <= 7 without, in one pass with a slot to spare) where a header sized
-// for N = 16 and 8 warps left room for 7.
+// for N <= 14 (a token of N <= 7 with the addend, or N <= 8 without, in one pass) where a header sized for N = 16
+// and 8 warps left room for 7.
 //
 // constexpr functions: usable from host code (plan.cpp, no CUDA) and device code alike.
 #pragma once

@@ -137,10 +137,11 @@ bool single_cta_fits(const PlanQuery& q) {
   return q.hidden / 8 <= tuning::kSingleCtaMaxThreads && q.candidates <= tuning::kSingleCtaMaxCandidates;
 }
 
-// The automatic per-token choice: the streaming single_cta where the H200 measured it faster
+// The automatic per-token choice: the streaming single_cta where the GPU's measurement favours it
 // (tuning::prefer_single_cta) and where it streams; split_k otherwise.
 bool automatic_streams(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
-  return single_cta_fits(q) && tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden) &&
+  return single_cta_fits(q) &&
+         tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden, q.add, tuning::topology_grid(dev.name)) &&
          stream_smem_bytes(q, dev, o) > 0;
 }
 

@@ -38,8 +38,8 @@ constexpr int32_t candidate_bucket(int64_t n) {
 // One pass keeps a token's rows resident from scoring to mixing and needs a slot per row; the automatic choice
 // takes it when the ring also has these spare slots (to stream the next token meanwhile), two passes otherwise.
 // Two blocks per SM: none, the SM's other block streams while this one reduces and mixes. At H = 7168 on an H100
-// one pass without a spare slot ran 212 us where two passes ran 269 (T = 4096, N = 7, one addend) and level with
-// a spare slot where both fit (bench_results/h100_ccde7bb_persistent_slots_ab.json). One block per SM: one spare
+// one pass without a spare slot ran 212 us where two passes ran 266 (T = 4096, N = 7, one addend) and level with
+// a spare slot where both fit (bench_results/h100_f7e65a6_persistent_slots_ab.json). One block per SM: one spare
 // slot (no other block to stream; one pass without a spare is not measured there).
 constexpr int64_t persistent_one_pass_spare_slots(int32_t blocks_per_sm) { return blocks_per_sm >= 2 ? 0 : 1; }
 // Slots two passes need: they hold at most the prefix and the addend at once; with fewer the plan declines.
@@ -48,17 +48,31 @@ constexpr int32_t kPersistentMinSlots = 2;
 // Grid x is T * cluster blocks (< 2^31).
 constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;
 
+// The GPU whose measurements the automatic choices follow: the H100's where the device's name says H100 (the
+// persistent kernel is weaker there, the streaming single_cta stronger without the addend), the H200's on every
+// other GPU.
+enum class TopologyGrid { h200, h100 };
+inline TopologyGrid topology_grid(std::string_view device_name) {
+  return device_name.rfind("NVIDIA H100", 0) == 0 ? TopologyGrid::h100 : TopologyGrid::h200;
+}
+
 // single_cta vs split_k (automatic choice): up to one token per SM split_k measured faster at every point (one SM
 // cannot keep a token's rows in flight as fast as 7-8 SMs do); with more tokens than SMs the streaming single_cta
-// measured faster for N <= 2 at H = 7168 from T = 256 on, and slower for N = 3, 4 (docs/performance.md). Taken
-// where the one-block layout has more than 512 threads (H > 4096), as at the measured H; the plan keeps split_k
-// where the streaming buffers do not fit (plan.cpp).
+// measured faster for N <= 2 at H = 7168 from T = 256 on, and slower for N = 3, 4 with the addend
+// (docs/performance.md). Without the addend on the H100 it is also the fastest kernel at N = 3, 4: 4-12 % ahead
+// of split_k and the persistent kernel from T = 512, level at T = 256 (h100_f7e65a6_topology_noadd.json); on the
+// H200 the persistent kernel beat it at N = 3 from T = 1024 (h200_4dd1abb_topology_noadd*.json). Taken where the
+// one-block layout has more than 512 threads (H > 4096), as at the measured H; the plan keeps split_k where the
+// streaming buffers do not fit (plan.cpp).
 constexpr int64_t kAutomaticStreamMinTokens = 256;
 constexpr int64_t kAutomaticStreamMaxCandidates = 2;
+constexpr int64_t kAutomaticStreamMaxCandidatesNoAddH100 = 4;
 constexpr int64_t kAutomaticStreamMinThreads = 513;
-inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden) {
-  return tokens >= kAutomaticStreamMinTokens && candidates <= kAutomaticStreamMaxCandidates &&
-         hidden / 8 >= kAutomaticStreamMinThreads;
+inline bool prefer_single_cta(int64_t tokens, int64_t candidates, int64_t hidden, bool add,
+                              TopologyGrid grid = TopologyGrid::h200) {
+  const int64_t most = !add && grid == TopologyGrid::h100 ? kAutomaticStreamMaxCandidatesNoAddH100
+                                                          : kAutomaticStreamMaxCandidates;
+  return tokens >= kAutomaticStreamMinTokens && candidates <= most && hidden / 8 >= kAutomaticStreamMinThreads;
 }
 
 // The streaming single_cta (cuda/attn_res_stream.cuh): min(T, resident) blocks loop over the tokens,
@@ -117,12 +131,6 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // cluster of more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
 constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
-// The GPU whose grid the thresholds come from: the H100's where the device's name says H100 (the persistent kernel
-// is weaker there: it wins only at N = 3 and 5..8, h100_308285c_topology*.json), the H200's on every other GPU.
-enum class TopologyGrid { h200, h100 };
-inline TopologyGrid topology_grid(std::string_view device_name) {
-  return device_name.rfind("NVIDIA H100", 0) == 0 ? TopologyGrid::h100 : TopologyGrid::h200;
-}
 // By N = 1 .. 16 (index N - 1), H > 4096, with one addend (h200_80e29ff_topology.json, h200_4dd1abb_topology.json).
 constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
     4096, 4096, 2048, 4096, 128, 256, 256, 256, 512, 256, kNeverPersistent, kNeverPersistent,
@@ -131,16 +139,17 @@ constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
 constexpr int64_t kAutomaticPersistentMinTokensNoAddByN[kMaxCandidates] = {
     4096, 4096, 256, 512, 128, 128, 256, 256, 512, 256, 256, 256,
     256, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-// The H100's (h100_308285c_topology.json, h100_308285c_topology_noadd.json): from the T where the persistent kernel
-// is faster or within 3 % at every larger measured T, except where that margin was thin (<= 1 % with the addend at
-// N = 3, <= 2.5 % from T = 2048 without it at N = 8) and the same N lost 9-13 % at T = 4096 with a snapshot write
-// or without the norm at vLLM's call sites (h100_81463b7_vllm_sites.json): never there.
+// The H100's (h100_f7e65a6_topology.json, h100_f7e65a6_topology_noadd.json): from the T where the persistent kernel
+// is faster or within 3 % at every larger measured T. It takes one pass up to 8 rows a token (N <= 7 with the
+// addend, N <= 8 without) and loses to split_k beyond. Never at N = 3 with the addend, where it led by 2 % at
+// T = 4096 only (and lost 9 % there with a snapshot write at vLLM's call sites, h100_81463b7_vllm_sites.json);
+// without the addend N <= 4 stream (prefer_single_cta).
 constexpr int64_t kAutomaticPersistentMinTokensByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 512, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 128, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, 2048, kNeverPersistent, 128, 128, 128, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 128, 1024,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;

@@ -38,11 +38,14 @@ PlanQuery query(AttnResOp op, int64_t T, int64_t N, int64_t H) {
 const AttnResOp kPerTokenOps[] = {AttnResOp::attn_res, AttnResOp::attn_res_rmsnorm, AttnResOp::attn_res_add_rmsnorm};
 const int64_t kHidden[] = {8, 64, 72, 1024, 2304, 4096, 7168, 8192, 8200, 12288, 16384};
 
-// The automatic per-token choice the table should make: single_cta where one block holds the token's rows
-// AND the H200 measurement (tuning::prefer_single_cta) favours it, split_k otherwise.
+// The automatic per-token choice the table should make on the H200 (the devices of these tests): single_cta where
+// one block holds the token's rows AND the H200 measurement (tuning::prefer_single_cta, the same with or without
+// the addend there) favours it, split_k otherwise.
 KernelKind automatic_kernel(int64_t T, int64_t N, int64_t H) {
   const bool fits = H / 8 <= tuning::kSingleCtaMaxThreads && N <= tuning::kSingleCtaMaxCandidates;
-  return fits && tuning::prefer_single_cta(T, N, H) ? KernelKind::single_cta : KernelKind::split_k;
+  const bool streams = tuning::prefer_single_cta(T, N, H, /*add=*/true, tuning::TopologyGrid::h200);
+  EXPECT_EQ(streams, tuning::prefer_single_cta(T, N, H, /*add=*/false, tuning::TopologyGrid::h200));
+  return fits && streams ? KernelKind::single_cta : KernelKind::split_k;
 }
 
 bool same_plan(const Plan& a, const Plan& b) {

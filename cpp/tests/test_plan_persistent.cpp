@@ -328,8 +328,9 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(p.slots, 3);
 }
 
-// The H100's own grid: the GPU is told by its name; the persistent kernel is taken there at N = 5..7 (and N = 3
-// from 2048 without the addend), never at N = 8..16 where the H200's thresholds take it.
+// The H100's own grid: the GPU is told by its name; the persistent kernel is taken there at N = 5..7 (and N = 8
+// from 1024 without the addend), never at N >= 9 where the H200's thresholds take it; without the addend N <= 4
+// stream there.
 TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
   using tuning::TopologyGrid;
   EXPECT_EQ(tuning::topology_grid("NVIDIA H100 80GB HBM3"), TopologyGrid::h100);
@@ -344,10 +345,10 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
     int64_t h100, h200;
   };
   for (const Case c : {Case{1, true, never, 4096}, Case{3, true, never, 2048}, Case{4, true, never, 4096},
-                       Case{5, true, 128, 128}, Case{6, true, 128, 256}, Case{7, true, 512, 256},
+                       Case{5, true, 128, 128}, Case{6, true, 128, 256}, Case{7, true, 128, 256},
                        Case{8, true, never, 256}, Case{9, true, never, 512}, Case{10, true, never, 256},
-                       Case{11, true, never, never}, Case{3, false, 2048, 256}, Case{7, false, 128, 256},
-                       Case{8, false, never, 256}, Case{9, false, never, 512}, Case{12, false, never, 256}}) {
+                       Case{11, true, never, never}, Case{3, false, never, 256}, Case{7, false, 128, 256},
+                       Case{8, false, 1024, 256}, Case{9, false, never, 512}, Case{12, false, never, 256}}) {
     SCOPED_TRACE(testing::Message() << "N = " << c.n << ", add = " << c.add);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, 7168, c.add, TopologyGrid::h100), c.h100);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, 7168, c.add, TopologyGrid::h200), c.h200);
@@ -363,6 +364,22 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
     EXPECT_EQ(attnres::plan(query(op, 4096, 5, 7168, add), attnres::described_device("h100"), Options{}).kernel,
               KernelKind::persistent);
   }
+  // The streaming single_cta: N <= 2 on both GPUs; N = 3, 4 without the addend on the H100 only, from T = 256.
+  for (const int64_t n : {int64_t{1}, int64_t{2}, int64_t{3}, int64_t{4}, int64_t{5}})
+    for (const bool add : {true, false})
+      for (const int64_t T : {int64_t{255}, int64_t{256}, int64_t{4096}}) {
+        SCOPED_TRACE(testing::Message() << "N = " << n << ", add = " << add << ", T = " << T);
+        const AttnResOp op = add ? AttnResOp::attn_res_add_rmsnorm : AttnResOp::attn_res_rmsnorm;
+        const bool h200_streams = T >= 256 && n <= 2, h100_streams = T >= 256 && n <= (add ? 2 : 4);
+        EXPECT_EQ(tuning::prefer_single_cta(T, n, 7168, add, TopologyGrid::h200), h200_streams);
+        EXPECT_EQ(tuning::prefer_single_cta(T, n, 7168, add, TopologyGrid::h100), h100_streams);
+        EXPECT_EQ(tuning::prefer_single_cta(T, n, 4096, add, TopologyGrid::h100), false);  // H <= 4096: split_k
+        const Plan p = attnres::plan(query(op, T, n, 7168, add), attnres::described_device("h100"), Options{});
+        ASSERT_TRUE(p.accepted()) << p.decline;
+        if (h100_streams) { EXPECT_EQ(p.kernel, KernelKind::single_cta); }
+        else { EXPECT_NE(p.kernel, KernelKind::single_cta); }
+        if (p.kernel != KernelKind::persistent) { EXPECT_EQ(p.smem_bytes > 0, h100_streams); }  // stream buffers
+      }
 }
 
 // The automatic topology's rule, a pure function: persistent on the two-blocks geometry from the measured T for

@@ -86,7 +86,7 @@ def test_persistent_default_matches_forced_split_k_across_the_crossover(batch, a
             assert_same_bits(g, f, f"{op} output #{i} at T = {T}: default (persistent) vs split_k")
 
 
-@pytest.mark.parametrize("n, crossover", [(7, 512), (12, None)] if H100 else [(6, 256), (12, None)],
+@pytest.mark.parametrize("n, crossover", [(7, 128), (12, None)] if H100 else [(6, 256), (12, None)],
                          ids=["below", "never"])
 def test_default_matches_forced_split_k_at_other_n(batch, n, crossover):
     """Below the top of a bucket (N = 6 on the H200, 7 on the H100) the default takes the persistent kernel from

@@ -24,8 +24,13 @@ def test_benchmark_variants_of_each_point():
         assert plans["two_pass"].passes == 2 and plans["one_block"].slots == 16
         assert all(plans[n].blocks_per_sm == 1 for n in ("one_block", "spare1", "two_pass", "half_ring"))
         assert (plans["default"].blocks_per_sm, plans["default"].slots) == (2, 8)  # the plan's: two blocks
+        assert (plans["two_blocks_two_pass"].blocks_per_sm, plans["two_blocks_two_pass"].passes) == (2, 2)
+        assert plans["default"].passes == (1 if N + 1 <= 8 else 2)  # one pass wherever a token's rows fit
         assert len({p.threads for p in plans.values()}) == 1  # the bits' geometry never moves
     assert pv.points() == [(4096, 2, True), (16384, 2, True), (4096, 9, True), (16384, 9, True)]
+    assert pv.points((4096,), (8,), add=False) == [(4096, 8, False)]
+    no_add = {v.name: p for v, p in pv.variants(4096, 8, 7168, False, device="h200")}
+    assert no_add["spare1"].slots == 9 and no_add["default"].passes == 1  # without the addend: N rows
 
 
 def _rec(provider, us, *, T=4096, N=9, equal=True, copy=4.27):
@@ -101,6 +106,13 @@ def test_cli(capsys):
     with pytest.raises(SystemExit) as exc:
         bench_main(["persistent", "--variants", "--quick"])
     assert exc.value.code == 2 and "--variants has one grid" in capsys.readouterr().err
+    for argv, message in ((["persistent", "--no-add"], "--no-add applies to the topology suite and persistent"),
+                          (["persistent", "--candidates", "6"], "--candidates applies to persistent --variants only"),
+                          (["persistent", "--variants", "--candidates", "6,x"], "--candidates must be"),
+                          (["persistent", "--variants", "--candidates", "0"], "--candidates must be")):
+        with pytest.raises(SystemExit) as exc:
+            bench_main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
     if not torch.cuda.is_available():
         assert bench_main(["persistent", "--variants"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err

@@ -74,13 +74,14 @@ def test_the_op_without_an_addend_is_its_own_row():
     assert "one addend" in headers[0] and "no addend" in headers[1] and lines[-1].endswith(" !")
 
 
-@pytest.mark.parametrize("flag", ["--no-add", "--mix"])
-def test_op_flags_belong_to_the_topology_suite(capsys, flag):
+@pytest.mark.parametrize("flag, where", [("--no-add", "the topology suite and persistent --variants only"),
+                                         ("--mix", "the topology suite only")])
+def test_op_flags_belong_to_the_topology_suite(capsys, flag, where):
     from bench.cli import main as bench_main
 
     with pytest.raises(SystemExit) as exc:
         bench_main(["persistent", flag])
-    assert exc.value.code == 2 and f"{flag} applies to the topology suite only" in capsys.readouterr().err
+    assert exc.value.code == 2 and f"{flag} applies to {where}" in capsys.readouterr().err
 
 
 def test_attn_res_records_are_rows_of_their_own():
