@@ -18,7 +18,7 @@ from attnres.bench import chain, host, results
 from attnres.bench import cli as common
 from attnres.models.kimi_k3.config import HIDDEN_RULE, hidden_supported
 
-from . import allreduce, floors, fp8, guard, peers, persistent, persistent_variants, topology, tp, tune
+from . import allreduce, floors, fp8, guard, peers, persistent, persistent_variants, prefill, topology, tp, tune
 from .targets import targets
 
 SUITES = {
@@ -33,6 +33,9 @@ SUITES = {
     "topology": "the automatic topology against every kernel forced, one addend, cold L2, T = 128..4096 x N = "
                 "3..16, H = 7168 (about 2 minutes; not part of 'all'; --quick: 15 points; --no-add: "
                 "attn_res_rmsnorm at N = 1..16; --mix: attn_res without the fp32 diagnostics)",
+    "prefill": "every attention op (attn_res, attn_res_rmsnorm, one addend, two) under the default options at "
+               "T = 1024, 4096, 16384 x N = 1..16, H = 7168, cold L2, against the copy rate (not part of 'all'; "
+               "--quick: T = 4096 x 6 N; --tokens and --candidates choose the points)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -53,7 +56,7 @@ HELP = {
     "device": "cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a small "
               "config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing",
     "tokens": "comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8, its MoE "
-              "finalize 1,8,16,32; topology and persistent --variants: the grid's T values instead)",
+              "finalize 1,8,16,32; topology, prefill and persistent --variants: the grid's T values instead)",
     "hidden": "hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)",
     "layers": "decoder layers (default 93 on cuda; on cpu 26, tp: 10)",
 }
@@ -77,7 +80,7 @@ def parser() -> argparse.ArgumentParser:
                         "interleaved against the copy floor, each checked bitwise (docs/performance.md); "
                         "--tokens, --candidates and --no-add choose its points")
     v.add_argument("--candidates", default=None,
-                   help="persistent --variants: comma-separated N values (default 2,9)")
+                   help="persistent --variants and prefill: comma-separated N values (default 2,9; prefill: 1..16)")
     o = p.add_argument_group("topology")
     o.add_argument("--no-add", action="store_true",
                    help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend "
@@ -154,6 +157,12 @@ def _persistent_step(args) -> common.Step:
                                                            progress=progress, repeats=args.repeats, **points)
 
 
+def _prefill_step(args) -> common.Step:
+    points = {"tokens": common.chain_tokens(args) if args.tokens else None, "candidates": args.candidates_values}
+    return lambda progress, extra: prefill.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
+                                               repeats=args.repeats, **points)
+
+
 # suite -> its steps, in order (all: the package's decode, finalize and chain among this harness's floors and tune).
 STEPS = {
     "floors": [_floors_step],
@@ -162,6 +171,7 @@ STEPS = {
     "peers": [_peers_step],
     "topology": [_topology_step],
     "persistent": [_persistent_step],
+    "prefill": [_prefill_step],
     "all": [_floors_step, common.SUITE_STEPS["decode"], _tune_step, common.SUITE_STEPS["finalize"],
             common.SUITE_STEPS["chain"]],
 }
@@ -181,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--variants applies to the persistent suite only")
     if args.no_add and args.suite != "topology" and not args.variants:
         p.error("--no-add applies to the topology suite and persistent --variants only")
-    if args.candidates is not None and not args.variants:
-        p.error("--candidates applies to persistent --variants only")
+    if args.candidates is not None and not args.variants and args.suite != "prefill":
+        p.error("--candidates applies to persistent --variants and prefill only")
     args.candidates_values = _candidates(args, p) if args.candidates is not None else None
+    most = attnres._C.limits["max_candidates"]
+    if args.suite == "prefill" and args.candidates_values and max(args.candidates_values) > most:
+        p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")
     if args.mix and args.suite != "topology":
         p.error("--mix applies to the topology suite only")
     if args.variants and args.quick:
@@ -198,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "allreduce":
         return _allreduce(args)
     return common.measure(args, STEPS[args.suite], name="bench",
-                          summaries=(chain, persistent, persistent_variants, fp8, peers, topology, host),
+                          summaries=(chain, persistent, persistent_variants, fp8, peers, topology, prefill, host),
                           checks=(common.chains_agree, fp8_agrees, variants_agree), targets=targets)
 
 

@@ -1,17 +1,18 @@
 """The performance targets of docs/performance.md over the records of a run: the package's rows
 (attnres.bench.results.targets: P1-P4, P6, P7) with this harness's suites' rows (P5 from the persistent suite,
-"peers" and "topology" from theirs) after P1-P4."""
+"peers", "topology" and "prefill" from theirs) after P1-P4."""
 
 from __future__ import annotations
 
 from attnres.bench import results
 
-from . import peers, persistent, topology
+from . import peers, persistent, prefill, topology
 
 
 def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
-    """(id, what, measured, met) per target with records: P1-P4, P5, peers, topology, P6, P7."""
+    """(id, what, measured, met) per target with records: P1-P4, P5, peers, topology, prefill, P6, P7."""
     rows = results.targets(records)
-    ours = [row for row in (persistent.p5_target(records), peers.target(records), topology.target(records)) if row]
+    ours = [row for row in (persistent.p5_target(records), peers.target(records), topology.target(records),
+                                                  prefill.target(records)) if row]
     at = next((i for i, row in enumerate(rows) if row[0] in ("P6", "P7")), len(rows))
     return rows[:at] + ours + rows[at:]

@@ -6,7 +6,7 @@
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); peers: the side-by-side points and the automatic topology's grid
-# (PEERS_QUICK=1: their reduced grids); variants: the persistent kernel's geometry variants (their GPU bit
+# and the prefill grid (PEERS_QUICK=1: their reduced grids); variants: the persistent kernel's geometry variants (their GPU bit
 # tests, then python -m bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
 # allreduce: the fused all-reduce epilogues in the in-process W = 2
 # world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
@@ -134,11 +134,13 @@ if has persistent; then
     --out "$OUT/persistent.json" 2>&1 | tail -30 || status=1
 fi
 if has peers; then
-  step "the side-by-side points (against the peers' figures) and the automatic topology's grid"
+  step "the side-by-side points (against the peers' figures), the automatic topology's grid and the prefill grid"
   timeout -s INT -k 20 "${PEERS_WALL:-200}" python3 -m bench peers ${PEERS_QUICK:+--quick} \
     --out "$OUT/peers.json" 2>&1 | grep -v "━" | tail -24 || status=1
   timeout -s INT -k 20 "${TOPOLOGY_WALL:-200}" python3 -m bench topology ${PEERS_QUICK:+--quick} \
     --out "$OUT/topology.json" 2>&1 | grep -v "━" | tail -90 || status=1
+  timeout -s INT -k 20 "${PREFILL_WALL:-400}" python3 -m bench prefill ${PEERS_QUICK:+--quick} \
+    --out "$OUT/prefill.json" 2>&1 | grep -v "━" | tail -80 || status=1
 fi
 if has variants; then
   step "persistent-kernel geometry variants: bits against split_k, then the interleaved benchmark vs the copy floor"

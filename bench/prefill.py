@@ -1,0 +1,141 @@
+"""The prefill grid (python -m bench prefill): every attention op under the default options (what a user gets) at
+T in {1024, 4096, 16384} x N = 1..16, H = 7168, cold L2 (rotating sets past twice the L2, peers.calls_per_graph
+calls per CUDA graph), against the copy rate of the same run (floors.copy_bandwidth_tbs).
+
+The ops, by the bytes they must move per token (`op_bytes`):
+  mix   attn_res without an addend or the fp32 diagnostics (the engines' mixture): N rows read, one written;
+  norm  attn_res_rmsnorm: N rows read, the output written (N = 1: an RMSNorm of the prefix);
+  add   attn_res_add_rmsnorm with one addend: N + 1 rows read, `updated` and the output written;
+  add2  attn_res_add_rmsnorm with two addends (the MoE tail's fold): N + 2 read, two written.
+
+The target (docs/performance.md): the default at >= 90 % of the copy rate at every point. --quick: T = 4096 x
+N = 1, 2, 5, 9, 12, 16; --tokens and --candidates choose other points."""
+
+from __future__ import annotations
+
+import torch
+
+import attnres
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, make_sets
+
+from .peers import calls_per_graph
+
+H_DEFAULT = 7168
+OPS = ("mix", "norm", "add", "add2")
+TOKENS = (1024, 4096, 16384)
+CANDIDATES = tuple(range(1, 17))
+QUICK_TOKENS = (4096,)
+QUICK_CANDIDATES = (1, 2, 5, 9, 12, 16)
+TARGET_FRACTION = 0.90
+_NAMES = {"mix": "attn_res", "norm": "attn_res_rmsnorm", "add": "attn_res_add_rmsnorm",
+          "add2": "attn_res_add_rmsnorm"}
+
+
+def addends(op: str) -> int:
+    return {"mix": 0, "norm": 0, "add": 1, "add2": 2}[op]
+
+
+def op_bytes(op: str, T: int, N: int, H: int) -> int:
+    """Reads of N - 1 bank rows, the prefix and the addends per token; writes of the output and (with an addend)
+    `updated` per token; the weight rows once (res and rms; norm too for the normed ops)."""
+    row, a = 2 * H, addends(op)
+    return T * row * (N + a) + T * row * (1 + (1 if a else 0)) + (2 if op == "mix" else 3) * row
+
+
+def points(quick: bool = False, tokens=None, candidates=None) -> list[tuple[str, int, int]]:
+    tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
+    candidates = candidates or (QUICK_CANDIDATES if quick else CANDIDATES)
+    return [(op, T, N) for op in OPS for N in candidates for T in tokens]
+
+
+def plan(op: str, T: int, N: int, H: int, device="cuda"):
+    """The default options' plan of the point's call."""
+    a = addends(op)
+    return attnres.plan(_NAMES[op], tokens=T, candidates=N, hidden=H, device=device, add=a >= 1, add2=a == 2,
+                        options=attnres.Options())
+
+
+def _call(op: str, s):
+    if op == "mix":
+        return lambda: attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS, diagnostics=False)
+    w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
+    if op == "norm":
+        return lambda: attnres.attn_res_rmsnorm(s.prefix, s.bank, *w)
+    if op == "add":
+        return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w)
+    return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, layer_residual_add2=s.shared)
+
+
+def run_point(op: str, T: int, N: int, H: int, copy_tbs: float, repeats: int) -> dict:
+    nbytes = op_bytes(op, T, N, H)
+    count = rotating_sets(nbytes, minimum=1)
+    sets = make_sets(T, N, H, count, seed=T * 100 + N + 7 * OPS.index(op))
+    calls = calls_per_graph(count, nbytes)
+    graph = capture([_call(op, sets[i % count]) for i in range(calls)])
+    t = time_interleaved({"attnres/default": (graph, calls)}, repeats=repeats)["attnres/default"]
+    p = plan(op, T, N, H)
+    gbps = nbytes / (t.median_us * 1e-6) / 1e9
+    del graph, sets
+    torch.cuda.empty_cache()
+    return {"suite": "prefill", "provider": "attnres/default", "op": op, "T": T, "N": N, "H": H, "sets": count,
+            "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs, "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0),
+            "kernel": p.kernel, "route": p.route, **t.as_dict()}
+
+
+def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None, repeats: int = 25,
+        tokens=None, candidates=None) -> list[dict]:
+    if copy_tbs is None:
+        from .floors import copy_bandwidth_tbs
+
+        copy_tbs = copy_bandwidth_tbs()
+    records = []
+    pts = points(quick, tokens, candidates)
+    for i, (op, T, N) in enumerate(pts):
+        records.append(run_point(op, T, N, H, copy_tbs, repeats))
+        if progress:
+            progress(i + 1, len(pts), f"prefill {op} T={T} N={N}")
+    return records
+
+
+# ------------------------------------------------------------------------------------------- reading records
+def _records(records):
+    return [r for r in records if r.get("suite") == "prefill"]
+
+
+def target(records: list[dict]) -> tuple[str, str, str, bool] | None:
+    """The default at >= TARGET_FRACTION of the run's copy rate at every point from T = 1024 on."""
+    rec = [r for r in _records(records) if r["T"] >= 1024]
+    if not rec:
+        return None
+    worst = min(rec, key=lambda r: r["pct_copy"])
+    short = [r for r in rec if r["pct_copy"] < 100 * TARGET_FRACTION]
+    measured = (f"{len(rec) - len(short)} of {len(rec)} points; lowest {worst['pct_copy']:.1f}% at {worst['op']} "
+                f"T={worst['T']} N={worst['N']} ({worst['kernel']}, {worst['median_us']:.1f} us)")
+    return ("prefill", f"the default at >= {100 * TARGET_FRACTION:.0f}% of the copy rate, T >= 1024, every op and N",
+            measured, not short)
+
+
+def summary(records: list[dict]) -> list[str]:
+    """Per op: a row per N, a column per T with the default's µs, its share of the copy rate and its kernel."""
+    rec = _records(records)
+    if not rec:
+        return []
+    cell = {(r["op"], r["T"], r["N"]): r for r in rec}
+    tokens = sorted({r["T"] for r in rec})
+    copy = next(r["copy_tbs"] for r in rec)
+    lines = [f"prefill grid: the default options, µs (% of the copy rate, {copy:.2f} TB/s) and kernel, cold L2, "
+             f"H = {rec[0]['H']}; '<' under {100 * TARGET_FRACTION:.0f}%"]
+    for op in [o for o in OPS if any(r["op"] == o for r in rec)]:
+        lines.append(f"{op} ({_NAMES[op]}, {addends(op)} addend{'' if addends(op) == 1 else 's'})")
+        lines.append(f"{'N':>4}" + "".join(f"{'T = ' + str(T):>34}" for T in tokens))
+        for N in sorted({r["N"] for r in rec if r["op"] == op}):
+            row = f"{N:4d}"
+            for T in tokens:
+                r = cell.get((op, T, N))
+                text = "-" if r is None else (f"{r['median_us']:.1f} ({r['pct_copy']:.0f}%"
+                                               f"{'<' if r['pct_copy'] < 100 * TARGET_FRACTION else ''}) "
+                                               f"{r['kernel']}")
+                row += text.rjust(34)
+            lines.append(row)
+    return lines

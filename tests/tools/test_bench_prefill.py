@@ -1,0 +1,97 @@
+"""The prefill grid benchmark (python -m bench prefill) without a GPU: its points, the bytes each op must move,
+the default plan of its calls on the described GPUs, its readers of records (summary, target) and its command
+line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import prefill
+from bench.cli import main as bench_main
+from bench.targets import targets
+
+
+def test_points():
+    full = prefill.points()
+    assert len(full) == 4 * 3 * 16 and full[0] == ("mix", 1024, 1) and full[-1] == ("add2", 16384, 16)
+    assert prefill.points(quick=True) == [(op, 4096, N) for op in prefill.OPS for N in (1, 2, 5, 9, 12, 16)]
+    assert prefill.points(tokens=(256,), candidates=(3,)) == [(op, 256, 3) for op in prefill.OPS]
+
+
+def test_bytes_per_op():
+    row, T, N, H = 2 * 7168, 10, 5, 7168
+    assert prefill.op_bytes("mix", T, N, H) == T * row * (N + 1) + 2 * row
+    assert prefill.op_bytes("norm", T, N, H) == T * row * (N + 1) + 3 * row
+    assert prefill.op_bytes("add", T, N, H) == T * row * (N + 1 + 2) + 3 * row
+    assert prefill.op_bytes("add2", T, N, H) == T * row * (N + 2 + 2) + 3 * row
+    assert prefill.op_bytes("norm", T, 1, H) == T * row * 2 + 3 * row  # N = 1: the prefix read, the output written
+
+
+@pytest.mark.parametrize("device", ["h100", "h200"])
+def test_every_point_has_a_plan(device):
+    """The grid's calls are all accepted by the default options (what the suite times)."""
+    for op, T, N in prefill.points():
+        p = prefill.plan(op, T, N, 7168, device=device)
+        assert p.accepted and p.kernel in ("single_cta", "split_k", "persistent"), (op, T, N, p)
+
+
+def _rec(op: str, T: int, N: int, pct: float, us: float = 100.0) -> dict:
+    return {"suite": "prefill", "provider": "attnres/default", "op": op, "T": T, "N": N, "H": 7168, "copy_tbs": 3.0,
+            "pct_copy": pct, "median_us": us, "kernel": "split_k", "route": "per_token"}
+
+
+def test_readers():
+    records = [_rec("norm", 1024, 1, 79.0, 13.7), _rec("norm", 4096, 1, 92.0), _rec("add2", 4096, 9, 95.0),
+               _rec("norm", 256, 5, 50.0)]  # T = 256 is outside the target
+    row = prefill.target(records)
+    assert row[0] == "prefill" and row[3] is False
+    assert row[2] == "2 of 3 points; lowest 79.0% at norm T=1024 N=1 (split_k, 13.7 us)"
+    assert prefill.target([_rec("mix", 4096, 2, 90.0)])[3] is True
+    assert prefill.target([_rec("mix", 256, 2, 10.0)]) is None
+    assert any(r[0] == "prefill" for r in targets(records))
+    lines = prefill.summary(records)
+    assert lines[0].startswith("prefill grid: the default options") and "3.00 TB/s" in lines[0]
+    assert "norm (attn_res_rmsnorm, 0 addends)" in lines and "add2 (attn_res_add_rmsnorm, 2 addends)" in lines
+    assert any("13.7 (79%<) split_k" in line for line in lines)
+    assert prefill.summary([]) == []
+
+
+def test_cli(capsys):
+    for argv, message in ((["prefill", "--candidates", "17"], "prefill: --candidates must be <= 16"),
+                          (["prefill", "--candidates", "0"], "--candidates must be"),
+                          (["tune", "--candidates", "2"], "--candidates applies to persistent --variants and prefill")):
+        with pytest.raises(SystemExit) as exc:
+            bench_main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err, argv
+    if not torch.cuda.is_available():
+        assert bench_main(["prefill", "--quick"]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_the_suite_runs_on_the_cpu_backend(monkeypatch):
+    """The suite's own code end to end without a GPU: CPU inputs, graphs replaced by eager calls of every op, the
+    plans of a described H200, a fake timer."""
+    from attnres.bench import timing, workloads
+
+    captured = []
+    monkeypatch.setattr(prefill, "make_sets", lambda *a, **k: workloads.make_sets(*a, **k, device="cpu"))
+    monkeypatch.setattr(prefill, "rotating_sets", lambda nbytes, minimum: 2)  # (the L2 size needs a GPU)
+    monkeypatch.setattr(prefill, "calls_per_graph", lambda sets, nbytes: 3)
+    monkeypatch.setattr(prefill, "capture", lambda fns: captured.append([fn() for fn in fns]))
+    monkeypatch.setattr(prefill, "time_interleaved", lambda graphs, repeats: {
+        name: timing.Timing(median_us=10.0, p10_us=9.0, p90_us=12.0, min_us=9.0, calls=n, repeats=repeats)
+        for name, (_, n) in graphs.items()})
+    plan = prefill.plan
+    monkeypatch.setattr(prefill, "plan", lambda op, T, N, H: plan(op, T, N, H, device="h200"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    recs = prefill.run(H=64, copy_tbs=4.0, repeats=3, tokens=(5,), candidates=(1, 3))
+    assert [(r["op"], r["N"]) for r in recs] == [(op, N) for op in prefill.OPS for N in (1, 3)]
+    assert len(captured) == 8 and all(len(calls) == 3 for calls in captured)
+    # Each op's calls ran on the CPU backend and returned its outputs: the mixture alone for attn_res without the
+    # diagnostics, the output for attn_res_rmsnorm, (updated, output) with an addend.
+    shapes = [[tuple(t.shape) for t in (c if isinstance(c, tuple) else (c,))] for c in (calls[0] for calls in captured)]
+    assert shapes[0] == [(5, 64)] and shapes[2] == [(5, 64)] and shapes[4] == shapes[6] == [(5, 64), (5, 64)]
+    r = recs[0]
+    assert r["bytes"] == prefill.op_bytes("mix", 5, 1, 64) and r["gbps"] == pytest.approx(r["bytes"] / 10e-6 / 1e9)
+    assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / 4000.0) and r["kernel"] == "split_k"
