@@ -35,7 +35,7 @@ SUITES = {
                 "attn_res_rmsnorm at N = 1..16; --mix: attn_res without the fp32 diagnostics)",
     "prefill": "every attention op (attn_res, attn_res_rmsnorm, one addend, two) under the default options at "
                "T = 1024, 4096, 16384 x N = 1..16, H = 7168, cold L2, against the copy rate (not part of 'all'; "
-               "--quick: T = 4096 x 6 N; --tokens and --candidates choose the points)",
+               "--quick: T = 4096 x 6 N; --tokens and --candidates choose the points; --forced: every kernel too)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -81,6 +81,9 @@ def parser() -> argparse.ArgumentParser:
                         "--tokens, --candidates and --no-add choose its points")
     v.add_argument("--candidates", default=None,
                    help="persistent --variants and prefill: comma-separated N values (default 2,9; prefill: 1..16)")
+    r = p.add_argument_group("prefill")
+    r.add_argument("--forced", action="store_true",
+                   help="prefill: also time every kernel the call can run on, forced, interleaved with the default")
     o = p.add_argument_group("topology")
     o.add_argument("--no-add", action="store_true",
                    help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend "
@@ -160,7 +163,7 @@ def _persistent_step(args) -> common.Step:
 def _prefill_step(args) -> common.Step:
     points = {"tokens": common.chain_tokens(args) if args.tokens else None, "candidates": args.candidates_values}
     return lambda progress, extra: prefill.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
-                                               repeats=args.repeats, **points)
+                                               repeats=args.repeats, forced=args.forced, **points)
 
 
 # suite -> its steps, in order (all: the package's decode, finalize and chain among this harness's floors and tune).
@@ -194,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.candidates is not None and not args.variants and args.suite != "prefill":
         p.error("--candidates applies to persistent --variants and prefill only")
     args.candidates_values = _candidates(args, p) if args.candidates is not None else None
+    if args.forced and args.suite != "prefill":
+        p.error("--forced applies to the prefill suite only")
     most = attnres._C.limits["max_candidates"]
     if args.suite == "prefill" and args.candidates_values and max(args.candidates_values) > most:
         p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")

@@ -9,7 +9,9 @@ The ops, by the bytes they must move per token (`op_bytes`):
   add2  attn_res_add_rmsnorm with two addends (the MoE tail's fold): N + 2 read, two written.
 
 The target (docs/performance.md): the default at >= 90 % of the copy rate at every point. --quick: T = 4096 x
-N = 1, 2, 5, 9, 12, 16; --tokens and --candidates choose other points."""
+N = 1, 2, 5, 9, 12, 16; --tokens and --candidates choose other points. --forced also times, interleaved with the
+default, every kernel the call can run on when forced (peers.FORCED): where the default misses the target, whether
+another kernel would not."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import attnres
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
-from .peers import calls_per_graph
+from .peers import FORCED, calls_per_graph
 
 H_DEFAULT = 7168
 OPS = ("mix", "norm", "add", "add2")
@@ -49,42 +51,59 @@ def points(quick: bool = False, tokens=None, candidates=None) -> list[tuple[str,
     return [(op, T, N) for op in OPS for N in candidates for T in tokens]
 
 
-def plan(op: str, T: int, N: int, H: int, device="cuda"):
-    """The default options' plan of the point's call."""
+def plan(op: str, T: int, N: int, H: int, device="cuda", options: attnres.Options | None = None):
+    """The plan of the point's call under `options` (default: the default options)."""
     a = addends(op)
     return attnres.plan(_NAMES[op], tokens=T, candidates=N, hidden=H, device=device, add=a >= 1, add2=a == 2,
-                        options=attnres.Options())
+                        options=options or attnres.Options())
 
 
-def _call(op: str, s):
+def providers(op: str, T: int, N: int, H: int, forced: bool, device="cuda") -> dict[str, attnres.Options]:
+    """attnres/default, and with `forced` every kernel the plan runs the call on when forced."""
+    out = {"attnres/default": attnres.Options()}
+    for name, kw in (FORCED.items() if forced else ()):
+        if plan(op, T, N, H, device, attnres.Options(**kw)).accepted:
+            out[f"attnres/{name}"] = attnres.Options(**kw)
+    return out
+
+
+def _call(op: str, s, o: attnres.Options):
     if op == "mix":
-        return lambda: attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS, diagnostics=False)
+        return lambda: attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS, diagnostics=False,
+                                        options=o)
     w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
     if op == "norm":
-        return lambda: attnres.attn_res_rmsnorm(s.prefix, s.bank, *w)
+        return lambda: attnres.attn_res_rmsnorm(s.prefix, s.bank, *w, options=o)
     if op == "add":
-        return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w)
-    return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, layer_residual_add2=s.shared)
+        return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=o)
+    return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, layer_residual_add2=s.shared,
+                                                options=o)
 
 
-def run_point(op: str, T: int, N: int, H: int, copy_tbs: float, repeats: int) -> dict:
+def run_point(op: str, T: int, N: int, H: int, copy_tbs: float, repeats: int, forced: bool = False) -> list[dict]:
     nbytes = op_bytes(op, T, N, H)
     count = rotating_sets(nbytes, minimum=1)
     sets = make_sets(T, N, H, count, seed=T * 100 + N + 7 * OPS.index(op))
     calls = calls_per_graph(count, nbytes)
-    graph = capture([_call(op, sets[i % count]) for i in range(calls)])
-    t = time_interleaved({"attnres/default": (graph, calls)}, repeats=repeats)["attnres/default"]
-    p = plan(op, T, N, H)
-    gbps = nbytes / (t.median_us * 1e-6) / 1e9
-    del graph, sets
+    opts = providers(op, T, N, H, forced)
+    graphs = {name: (capture([_call(op, sets[i % count], o) for i in range(calls)]), calls)
+              for name, o in opts.items()}
+    timings = time_interleaved(graphs, repeats=repeats)
+    records = []
+    for name, t in timings.items():
+        p = plan(op, T, N, H, options=opts[name])
+        gbps = nbytes / (t.median_us * 1e-6) / 1e9
+        records.append({"suite": "prefill", "provider": name, "op": op, "T": T, "N": N, "H": H, "sets": count,
+                        "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
+                        "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0), "kernel": p.kernel, "route": p.route,
+                        **t.as_dict()})
+    del graphs, sets
     torch.cuda.empty_cache()
-    return {"suite": "prefill", "provider": "attnres/default", "op": op, "T": T, "N": N, "H": H, "sets": count,
-            "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs, "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0),
-            "kernel": p.kernel, "route": p.route, **t.as_dict()}
+    return records
 
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None, repeats: int = 25,
-        tokens=None, candidates=None) -> list[dict]:
+        tokens=None, candidates=None, forced: bool = False) -> list[dict]:
     if copy_tbs is None:
         from .floors import copy_bandwidth_tbs
 
@@ -92,15 +111,16 @@ def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, 
     records = []
     pts = points(quick, tokens, candidates)
     for i, (op, T, N) in enumerate(pts):
-        records.append(run_point(op, T, N, H, copy_tbs, repeats))
+        records += run_point(op, T, N, H, copy_tbs, repeats, forced)
         if progress:
             progress(i + 1, len(pts), f"prefill {op} T={T} N={N}")
     return records
 
 
 # ------------------------------------------------------------------------------------------- reading records
-def _records(records):
-    return [r for r in records if r.get("suite") == "prefill"]
+def _records(records, provider: str | None = "attnres/default"):
+    """The suite's records (of one provider; None: every provider)."""
+    return [r for r in records if r.get("suite") == "prefill" and (provider is None or r["provider"] == provider)]
 
 
 def target(records: list[dict]) -> tuple[str, str, str, bool] | None:
@@ -116,19 +136,31 @@ def target(records: list[dict]) -> tuple[str, str, str, bool] | None:
             measured, not short)
 
 
+def fastest_forced(records: list[dict]) -> dict[tuple[str, int, int], dict]:
+    """(op, T, N) -> the record of the fastest forced kernel at the point (runs with --forced)."""
+    out = {}
+    for r in _records(records, None):
+        key = (r["op"], r["T"], r["N"])
+        if r["provider"] != "attnres/default" and (key not in out or r["median_us"] < out[key]["median_us"]):
+            out[key] = r
+    return out
+
+
 def summary(records: list[dict]) -> list[str]:
-    """Per op: a row per N, a column per T with the default's µs, its share of the copy rate and its kernel."""
+    """Per op: a row per N, a column per T with the default's µs, its share of the copy rate and its kernel; with
+    --forced, '(k x.xx)' where a forced kernel k was faster than the default by more than 3 % (x: default / k)."""
     rec = _records(records)
     if not rec:
         return []
     cell = {(r["op"], r["T"], r["N"]): r for r in rec}
+    best = fastest_forced(records)
     tokens = sorted({r["T"] for r in rec})
     copy = next(r["copy_tbs"] for r in rec)
     lines = [f"prefill grid: the default options, µs (% of the copy rate, {copy:.2f} TB/s) and kernel, cold L2, "
              f"H = {rec[0]['H']}; '<' under {100 * TARGET_FRACTION:.0f}%"]
     for op in [o for o in OPS if any(r["op"] == o for r in rec)]:
         lines.append(f"{op} ({_NAMES[op]}, {addends(op)} addend{'' if addends(op) == 1 else 's'})")
-        lines.append(f"{'N':>4}" + "".join(f"{'T = ' + str(T):>34}" for T in tokens))
+        lines.append(f"{'N':>4}" + "".join(f"{'T = ' + str(T):>{44 if best else 34}}" for T in tokens))
         for N in sorted({r["N"] for r in rec if r["op"] == op}):
             row = f"{N:4d}"
             for T in tokens:
@@ -136,6 +168,9 @@ def summary(records: list[dict]) -> list[str]:
                 text = "-" if r is None else (f"{r['median_us']:.1f} ({r['pct_copy']:.0f}%"
                                                f"{'<' if r['pct_copy'] < 100 * TARGET_FRACTION else ''}) "
                                                f"{r['kernel']}")
-                row += text.rjust(34)
+                b = best.get((op, T, N))
+                if r is not None and b is not None and r["median_us"] > 1.03 * b["median_us"]:
+                    text += f" ({b['provider'].split('/')[1]} {r['median_us'] / b['median_us']:.2f})"
+                row += text.rjust(44 if best else 34)
             lines.append(row)
     return lines

@@ -36,9 +36,31 @@ def test_every_point_has_a_plan(device):
         assert p.accepted and p.kernel in ("single_cta", "split_k", "persistent"), (op, T, N, p)
 
 
-def _rec(op: str, T: int, N: int, pct: float, us: float = 100.0) -> dict:
-    return {"suite": "prefill", "provider": "attnres/default", "op": op, "T": T, "N": N, "H": 7168, "copy_tbs": 3.0,
+def _rec(op: str, T: int, N: int, pct: float, us: float = 100.0, provider: str = "attnres/default") -> dict:
+    return {"suite": "prefill", "provider": provider, "op": op, "T": T, "N": N, "H": 7168, "copy_tbs": 3.0,
             "pct_copy": pct, "median_us": us, "kernel": "split_k", "route": "per_token"}
+
+
+def test_forced_providers():
+    """--forced: every kernel the plan accepts for the call when forced (single_cta only up to N = 4; the
+    persistent kernel declines two addends)."""
+    assert list(prefill.providers("add2", 4096, 9, 7168, False, device="h100")) == ["attnres/default"]
+    assert list(prefill.providers("norm", 4096, 3, 7168, True, device="h100")) == [
+        "attnres/default", "attnres/split_k", "attnres/single_cta", "attnres/persistent"]
+    assert list(prefill.providers("add2", 4096, 9, 7168, True, device="h100")) == [
+        "attnres/default", "attnres/split_k"]
+
+
+def test_forced_kernels_in_the_readers():
+    """The target reads the default alone; the summary names a forced kernel faster than the default by > 3 %."""
+    records = [_rec("add", 4096, 9, 85.0, 269.0), _rec("add", 4096, 9, 70.0, 330.0, "attnres/split_k"),
+               _rec("add", 4096, 9, 95.0, 240.0, "attnres/persistent"), _rec("add", 4096, 2, 91.0, 80.0),
+               _rec("add", 4096, 2, 90.0, 79.0, "attnres/split_k")]
+    assert prefill.target(records)[2].startswith("1 of 2 points; lowest 85.0% at add T=4096 N=9")
+    assert prefill.fastest_forced(records)[("add", 4096, 9)]["provider"] == "attnres/persistent"
+    lines = prefill.summary(records)
+    assert any(line.startswith("   9") and "(persistent 1.12)" in line for line in lines)
+    assert any(line.startswith("   2") and "(split_k" not in line for line in lines)
 
 
 def test_readers():
@@ -60,6 +82,7 @@ def test_readers():
 def test_cli(capsys):
     for argv, message in ((["prefill", "--candidates", "17"], "prefill: --candidates must be <= 16"),
                           (["prefill", "--candidates", "0"], "--candidates must be"),
+                          (["topology", "--forced"], "--forced applies to the prefill suite only"),
                           (["tune", "--candidates", "2"], "--candidates applies to persistent --variants and prefill")):
         with pytest.raises(SystemExit) as exc:
             bench_main(argv)
@@ -83,7 +106,8 @@ def test_the_suite_runs_on_the_cpu_backend(monkeypatch):
         name: timing.Timing(median_us=10.0, p10_us=9.0, p90_us=12.0, min_us=9.0, calls=n, repeats=repeats)
         for name, (_, n) in graphs.items()})
     plan = prefill.plan
-    monkeypatch.setattr(prefill, "plan", lambda op, T, N, H: plan(op, T, N, H, device="h200"))
+    monkeypatch.setattr(prefill, "plan", lambda op, T, N, H, device="cuda", options=None:
+                        plan(op, T, N, H, "h200", options))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     recs = prefill.run(H=64, copy_tbs=4.0, repeats=3, tokens=(5,), candidates=(1, 3))
     assert [(r["op"], r["N"]) for r in recs] == [(op, N) for op in prefill.OPS for N in (1, 3)]
