@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     args.candidates_values = _candidates(args, p) if args.candidates is not None else None
     if args.forced and args.suite != "prefill":
         p.error("--forced applies to the prefill suite only")
-    most = attnres._C.limits["max_candidates"]
-    if args.suite == "prefill" and args.candidates_values and max(args.candidates_values) > most:
+    if args.suite == "prefill" and args.candidates_values and \
+            max(args.candidates_values) > (most := attnres._C.limits["max_candidates"]):
         p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")
     if args.mix and args.suite != "topology":
         p.error("--mix applies to the topology suite only")

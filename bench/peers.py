@@ -94,7 +94,7 @@ def warm_sets(bytes_per_set: int, l2_bytes: int, maximum: int = 8) -> int:
     return min(maximum, (l2_bytes // 2) // max(bytes_per_set, 1))
 
 
-def _op(add: bool, mix: bool = False) -> str:
+def op_name(add: bool, mix: bool = False) -> str:
     """The op a point times: one addend (`prefix + delta`, then the norm), or none (attn_res_rmsnorm); mix:
     attn_res (no trailing norm, no fp32 diagnostics), with or without the addend."""
     if mix:
@@ -103,7 +103,7 @@ def _op(add: bool, mix: bool = False) -> str:
 
 
 def _plan(T: int, N: int, H: int, add: bool, options: attnres.Options, device="cuda", mix: bool = False):
-    return attnres.plan(_op(add, mix), tokens=T, candidates=N, hidden=H, device=device, add=add, options=options)
+    return attnres.plan(op_name(add, mix), tokens=T, candidates=N, hidden=H, device=device, add=add, options=options)
 
 
 def _providers(T: int, N: int, H: int, device="cuda", add: bool = True,
@@ -117,7 +117,7 @@ def _providers(T: int, N: int, H: int, device="cuda", add: bool = True,
     return out
 
 
-def _call(s, opts: attnres.Options, add: bool = True, mix: bool = False):
+def call(s, opts: attnres.Options, add: bool = True, mix: bool = False):
     if mix:
         return lambda: attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS,
                                         layer_residual_add=s.routed if add else None, diagnostics=False, options=opts)
@@ -141,7 +141,7 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str 
             continue
         sets = make_sets(T, N, H, count, seed=T * 100 + N + (regime == "warm"))
         calls = calls_per_graph(count, nbytes)
-        graphs = {name: (capture([_call(sets[i % count], o, add, mix) for i in range(calls)]), calls)
+        graphs = {name: (capture([call(sets[i % count], o, add, mix) for i in range(calls)]), calls)
                   for name, o in providers.items()}
         timings = time_interleaved(graphs, repeats=repeats)
         for name, t in timings.items():

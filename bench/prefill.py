@@ -21,7 +21,7 @@ import attnres
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
-from .peers import FORCED, calls_per_graph
+from .peers import FORCED, call, calls_per_graph, op_name
 
 H_DEFAULT = 7168
 OPS = ("mix", "norm", "add", "add2")
@@ -30,8 +30,11 @@ CANDIDATES = tuple(range(1, 17))
 QUICK_TOKENS = (4096,)
 QUICK_CANDIDATES = (1, 2, 5, 9, 12, 16)
 TARGET_FRACTION = 0.90
-_NAMES = {"mix": "attn_res", "norm": "attn_res_rmsnorm", "add": "attn_res_add_rmsnorm",
-          "add2": "attn_res_add_rmsnorm"}
+
+
+def function_name(op: str) -> str:
+    """The op's function: attn_res, attn_res_rmsnorm or attn_res_add_rmsnorm."""
+    return op_name(addends(op) >= 1, op == "mix")
 
 
 def addends(op: str) -> int:
@@ -54,8 +57,8 @@ def points(quick: bool = False, tokens=None, candidates=None) -> list[tuple[str,
 def plan(op: str, T: int, N: int, H: int, device="cuda", options: attnres.Options | None = None):
     """The plan of the point's call under `options` (default: the default options)."""
     a = addends(op)
-    return attnres.plan(_NAMES[op], tokens=T, candidates=N, hidden=H, device=device, add=a >= 1, add2=a == 2,
-                        options=options or attnres.Options())
+    return attnres.plan(function_name(op), tokens=T, candidates=N, hidden=H, device=device, add=a >= 1,
+                        add2=a == 2, options=options or attnres.Options())
 
 
 def providers(op: str, T: int, N: int, H: int, forced: bool, device="cuda") -> dict[str, attnres.Options]:
@@ -68,14 +71,10 @@ def providers(op: str, T: int, N: int, H: int, forced: bool, device="cuda") -> d
 
 
 def _call(op: str, s, o: attnres.Options):
-    if op == "mix":
-        return lambda: attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS, diagnostics=False,
-                                        options=o)
+    """The point's call: the peers' calls of attn_res (no diagnostics), attn_res_rmsnorm and one addend; add2 here."""
+    if op != "add2":
+        return call(s, o, add=op == "add", mix=op == "mix")
     w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
-    if op == "norm":
-        return lambda: attnres.attn_res_rmsnorm(s.prefix, s.bank, *w, options=o)
-    if op == "add":
-        return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=o)
     return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, layer_residual_add2=s.shared,
                                                 options=o)
 
@@ -159,7 +158,7 @@ def summary(records: list[dict]) -> list[str]:
     lines = [f"prefill grid: the default options, µs (% of the copy rate, {copy:.2f} TB/s) and kernel, cold L2, "
              f"H = {rec[0]['H']}; '<' under {100 * TARGET_FRACTION:.0f}%"]
     for op in [o for o in OPS if any(r["op"] == o for r in rec)]:
-        lines.append(f"{op} ({_NAMES[op]}, {addends(op)} addend{'' if addends(op) == 1 else 's'})")
+        lines.append(f"{op} ({function_name(op)}, {addends(op)} addend{'' if addends(op) == 1 else 's'})")
         lines.append(f"{'N':>4}" + "".join(f"{'T = ' + str(T):>{44 if best else 34}}" for T in tokens))
         for N in sorted({r["N"] for r in rec if r["op"] == op}):
             row = f"{N:4d}"

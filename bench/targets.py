@@ -13,6 +13,6 @@ def targets(records: list[dict]) -> list[tuple[str, str, str, bool | None]]:
     """(id, what, measured, met) per target with records: P1-P4, P5, peers, topology, prefill, P6, P7."""
     rows = results.targets(records)
     ours = [row for row in (persistent.p5_target(records), peers.target(records), topology.target(records),
-                                                  prefill.target(records)) if row]
+                            prefill.target(records)) if row]
     at = next((i for i, row in enumerate(rows) if row[0] in ("P6", "P7")), len(rows))
     return rows[:at] + ours + rows[at:]

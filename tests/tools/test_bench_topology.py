@@ -103,7 +103,7 @@ def test_attn_res_records_are_rows_of_their_own():
 def test_peers_times_attn_res_without_diagnostics():
     from bench import peers
 
-    assert peers._op(True, mix=True) == peers._op(False, mix=True) == "attn_res"
+    assert peers.op_name(True, mix=True) == peers.op_name(False, mix=True) == "attn_res"
     # the persistent kernel runs attn_res without the diagnostics: it is one of the providers
     assert list(peers._providers(4096, 5, 7168, device="h200", add=False, mix=True)) == list(
         peers._providers(4096, 5, 7168, device="h200", add=False))
