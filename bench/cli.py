@@ -18,7 +18,8 @@ from attnres.bench import chain, host, results
 from attnres.bench import cli as common
 from attnres.models.kimi_k3.config import HIDDEN_RULE, hidden_supported
 
-from . import allreduce, floors, fp8, guard, peers, persistent, persistent_variants, prefill, topology, tp, tune
+from . import (allreduce, floors, fp8, guard, peers, persistent, persistent_variants, prefill, stream_buffers, topology,
+               tp, tune)
 from .targets import targets
 
 SUITES = {
@@ -36,6 +37,9 @@ SUITES = {
     "prefill": "every attention op (attn_res, attn_res_rmsnorm, one addend, two) under the default options at "
                "T = 1024, 4096, 16384 x N = 1..16, H = 7168, cold L2, against the copy rate (not part of 'all'; "
                "--quick: T = 4096 x 6 N; --tokens and --candidates choose the points; --forced: every kernel too)",
+    "stream": "the streaming single_cta's token buffers (2, 3, 4) against the default and split_k, with and "
+              "without the addend, T = 256, 1024, 4096, 16384 x N = 1..4, H = 7168, cold L2, each checked bitwise "
+              "(not part of 'all'; --tokens and --candidates choose the points, N <= 4)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
@@ -56,7 +60,8 @@ HELP = {
     "device": "cpu: the chain (tp: over gloo; allreduce: the in-process world) on the CPU backend with a small "
               "config, timed eagerly by wall clock (no graphs): exercises the code, measures nothing",
     "tokens": "comma-separated T values (default 1,4,8,32; --quick: 1,32; tp: 1,8; allreduce --quick: 1,8, its MoE "
-              "finalize 1,8,16,32; topology, prefill and persistent --variants: the grid's T values instead)",
+              "finalize 1,8,16,32; topology, prefill, stream and persistent --variants: the grid's T values "
+              "instead)",
     "hidden": "hidden size (chain, tp: default 7168 on cuda, 256 on cpu; persistent: default 7168)",
     "layers": "decoder layers (default 93 on cuda; on cpu 26, tp: 10)",
 }
@@ -80,7 +85,8 @@ def parser() -> argparse.ArgumentParser:
                         "interleaved against the copy floor, each checked bitwise (docs/performance.md); "
                         "--tokens, --candidates and --no-add choose its points")
     v.add_argument("--candidates", default=None,
-                   help="persistent --variants and prefill: comma-separated N values (default 2,9; prefill: 1..16)")
+                   help="persistent --variants, prefill and stream: comma-separated N values (default 2,9; prefill: "
+                        "1..16; stream: 1..4)")
     r = p.add_argument_group("prefill")
     r.add_argument("--forced", action="store_true",
                    help="prefill: also time every kernel the call can run on, forced, interleaved with the default")
@@ -166,6 +172,16 @@ def _prefill_step(args) -> common.Step:
                                                repeats=args.repeats, forced=args.forced, **points)
 
 
+def _stream_step(args) -> common.Step:
+    points = {}
+    if args.tokens:
+        points["tokens"] = common.chain_tokens(args)
+    if args.candidates_values:
+        points["candidates"] = args.candidates_values
+    return lambda progress, extra: stream_buffers.run(pdl=not args.no_pdl, copy_tbs=_copy_floor(extra),
+                                                      progress=progress, repeats=args.repeats, **points)
+
+
 # suite -> its steps, in order (all: the package's decode, finalize and chain among this harness's floors and tune).
 STEPS = {
     "floors": [_floors_step],
@@ -175,6 +191,7 @@ STEPS = {
     "topology": [_topology_step],
     "persistent": [_persistent_step],
     "prefill": [_prefill_step],
+    "stream": [_stream_step],
     "all": [_floors_step, common.SUITE_STEPS["decode"], _tune_step, common.SUITE_STEPS["finalize"],
             common.SUITE_STEPS["chain"]],
 }
@@ -194,14 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--variants applies to the persistent suite only")
     if args.no_add and args.suite != "topology" and not args.variants:
         p.error("--no-add applies to the topology suite and persistent --variants only")
-    if args.candidates is not None and not args.variants and args.suite != "prefill":
-        p.error("--candidates applies to persistent --variants and prefill only")
+    if args.candidates is not None and not args.variants and args.suite not in ("prefill", "stream"):
+        p.error("--candidates applies to persistent --variants, prefill and stream only")
     args.candidates_values = _candidates(args, p) if args.candidates is not None else None
     if args.forced and args.suite != "prefill":
         p.error("--forced applies to the prefill suite only")
     if args.suite == "prefill" and args.candidates_values and \
             max(args.candidates_values) > (most := attnres._C.limits["max_candidates"]):
         p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")
+    if args.suite == "stream" and args.candidates_values and max(args.candidates_values) > 4:
+        p.error(f"stream: --candidates must be <= 4 (the streaming kernel's N buckets), got {args.candidates!r}")
     if args.mix and args.suite != "topology":
         p.error("--mix applies to the topology suite only")
     if args.variants and args.quick:
@@ -216,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "allreduce":
         return _allreduce(args)
     return common.measure(args, STEPS[args.suite], name="bench",
-                          summaries=(chain, persistent, persistent_variants, fp8, peers, topology, prefill, host),
-                          checks=(common.chains_agree, fp8_agrees, variants_agree), targets=targets)
+                          summaries=(chain, persistent, persistent_variants, stream_buffers, fp8, peers, topology,
+                                     prefill, host),
+                          checks=(common.chains_agree, fp8_agrees, variants_agree, stream_agrees), targets=targets)
 
 
 def variants_agree(records: list[dict]) -> bool:
@@ -226,6 +246,14 @@ def variants_agree(records: list[dict]) -> bool:
     if bad:
         print(f"persistent variants: output bits DIFFER from the per-token kernel's at (T, N, H, variant) = {bad}",
               file=sys.stderr)
+    return not bad
+
+
+def stream_agrees(records: list[dict]) -> bool:
+    """The stream suite's correctness check (every buffer count = split_k's bits), on stderr."""
+    bad = stream_buffers.differing(records)
+    if bad:
+        print(f"stream buffers: output bits DIFFER from split_k's at (T, N, add, variant) = {bad}", file=sys.stderr)
     return not bad
 
 

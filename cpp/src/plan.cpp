@@ -119,6 +119,11 @@ int32_t stream_threads(int64_t hidden) {
   return round_up(one_block_threads(hidden), 32 * tuning::kStreamVectors) / tuning::kStreamVectors;
 }
 
+// The streaming single_cta's token buffers: the knob's, else the tuned count for the call.
+int32_t stream_buffers(const PlanQuery& q, const Options& o) {
+  return o.stream_buffers > 0 ? o.stream_buffers : tuning::stream_buffers(q.candidates, q.add, q.add2);
+}
+
 // single_cta streams (cuda/attn_res_stream.cuh) from the knob's T on, by default once there are more tokens than
 // SMs (one block of a few hundred threads and up to 64 registers each fills an SM's registers, so without
 // streaming each SM runs its tokens one after the other, every one a full DRAM round trip); bf16 output only,
@@ -126,8 +131,8 @@ int32_t stream_threads(int64_t hidden) {
 int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t from = o.stream_min_tokens > 0 ? o.stream_min_tokens : int64_t{dev.sm_count} + 1;
   if (q.fp8 != Fp8Scales::none || q.tokens < from) return 0;
-  const int64_t bytes =
-      tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2, stream_threads(q.hidden));
+  const int64_t bytes = tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2,
+                                                  stream_threads(q.hidden), stream_buffers(q, o));
   if (bytes + tuning::kStreamStaticSharedBytes > dev.shared_memory_per_block_optin) return 0;
   return static_cast<int32_t>(bytes);
 }
@@ -275,6 +280,9 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
   if (o.stream_min_tokens < 0)
     throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_min_tokens must be >= 0 (0: the plan's "
                         "bound), got " + std::to_string(o.stream_min_tokens));
+  if (o.stream_buffers != 0 && (o.stream_buffers < 2 || o.stream_buffers > tuning::kStreamMaxBuffers))
+    throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_buffers must be 0 (the plan's choice) or in [2, " +
+                        std::to_string(tuning::kStreamMaxBuffers) + "], got " + std::to_string(o.stream_buffers));
 
   // A shape-only query (attnres.plan) never accepts what the ops would reject.
   if (q.tokens < 1) return declined(DeclineCode::bad_shape,
@@ -350,6 +358,12 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
                     std::to_string(tuning::kSingleCtaMaxThreads * 8) + " and N <= " +
                     std::to_string(tuning::kSingleCtaMaxCandidates) + " (use split_k)");
 
+  if (o.stream_buffers > 0 && q.candidates <= tuning::kSingleCtaMaxCandidates &&
+      !tuning::stream_buffers_built(tuning::candidate_bucket(q.candidates), o.stream_buffers))
+    throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_buffers = " +
+                        std::to_string(o.stream_buffers) + ": not built for N bucket " +
+                        std::to_string(tuning::candidate_bucket(q.candidates)));
+
   Plan p;
   p.kernel = kernel;
   p.route = Route::per_token;
@@ -361,7 +375,10 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
     p.smem_bytes = stream_smem_bytes(q, dev, o);
     p.threads = p.smem_bytes > 0 ? stream_threads(q.hidden) : one_block_threads(q.hidden);
     p.vectors = p.smem_bytes > 0 ? tuning::kStreamVectors : 1;
-    if (p.smem_bytes > 0) p.route = Route::stream;
+    if (p.smem_bytes > 0) {
+      p.route = Route::stream;
+      p.slots = stream_buffers(q, o);
+    }
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);
     // No more blocks than vectors; with ceil-divided chunks a trailing block may still own none (the kernel

@@ -83,12 +83,21 @@ constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
 }
 // The 16-byte vectors of a row each of its threads owns: the lanes of single_cta's one-block layout per thread.
 constexpr int32_t kStreamVectors = 2;
-// The token buffers: the token being reduced and kStreamBuffers - 1 being copied; three measured no faster, a
-// block's step being bound by its own arithmetic, not by the copy (docs/performance.md).
+// The token buffers: the token being reduced and buffers - 1 being copied. Where a token's DRAM reads are one row
+// (N = 1 without an addend: the prefix alone, 14 KB at H = 7168) one token in flight per SM leaves the copy rate
+// to the DRAM latency; elsewhere two buffers, three having measured no faster (docs/performance.md).
 constexpr int32_t kStreamBuffers = 2;
+constexpr int32_t kStreamMaxBuffers = 4;
+constexpr int32_t stream_buffers(int64_t candidates, bool add, bool add2) {
+  return (void)candidates, (void)add, (void)add2, kStreamBuffers;
+}
+// The buffer counts the streaming kernel is built with, per N bucket (cuda/attn_res_stream.cuh stream_instance).
+constexpr bool stream_buffers_built(int32_t bucket, int32_t buffers) {
+  return buffers >= 2 && buffers <= (bucket == 2 ? kStreamMaxBuffers : 3);
+}
 // The buffers' bytes for a block of `threads` threads (kStreamVectors lanes each).
-constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t threads) {
-  return int64_t{kStreamBuffers} * stream_slots(bucket, add, add2) * threads * kStreamVectors * 16;
+constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t threads, int32_t buffers) {
+  return int64_t{buffers} * stream_slots(bucket, add, add2) * threads * kStreamVectors * 16;
 }
 // What the plan leaves of the block's shared memory for the kernel's static arrays (~1.3 KB in the one-block
 // instances of buckets 2 and 4: the per-warp partial sums).

@@ -1,12 +1,13 @@
-"""The streaming single_cta's knob (attnres::Options::stream_min_tokens), for the benchmark's A/B and the tests
-that hold the streaming kernel to split_k's bits at every T. Private: not part of attnres.Options nor of the
-torch.ops schemas.
+"""The streaming single_cta's knobs (attnres::Options::stream_min_tokens and stream_buffers), for the benchmark's
+A/B (python -m bench stream) and the tests that hold the streaming kernel to split_k's bits at every T. Private:
+not part of attnres.Options nor of the torch.ops schemas.
 
 single_cta streams from T = min_tokens on: min(T, resident) blocks loop over the tokens, each prefetching its
 next token's rows into shared memory while it reduces the current one (cpp/src/cuda/attn_res_stream.cuh).
 0 keeps the plan's bound (more tokens than SMs); ALWAYS streams at every T, NEVER at none. The knob
 changes no bit: the streaming kernel runs single_cta's arithmetic on every token. A negative value raises
-attnres.ArgumentError (naming the op and the knob)."""
+attnres.ArgumentError (naming the op and the knob). buffers: the token buffers (the token being reduced and the
+ones whose rows are in flight), 0 for the plan's count, else 2..4 where the call's N bucket is built with it."""
 
 from __future__ import annotations
 
@@ -24,24 +25,26 @@ NEVER = 1 << 62
 class StreamOptions:
     """What the ops layer's runner asks of an options object (to_c), with the knob set."""
 
-    def __init__(self, min_tokens: int, kernel: str = "single_cta", pdl: bool = True):
-        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool):
-            raise _C.ArgumentError(f"stream_min_tokens must be an int, got {min_tokens!r}")
-        self.min_tokens, self.base = min_tokens, Options(kernel=kernel, pdl=pdl)
+    def __init__(self, min_tokens: int, kernel: str = "single_cta", pdl: bool = True, buffers: int = 0):
+        for name, value in (("stream_min_tokens", min_tokens), ("stream_buffers", buffers)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise _C.ArgumentError(f"{name} must be an int, got {value!r}")
+        self.min_tokens, self.buffers, self.base = min_tokens, buffers, Options(kernel=kernel, pdl=pdl)
 
     def to_c(self) -> _C.Options:
         o = self.base.to_c()
         o._stream_min_tokens = self.min_tokens
+        o._stream_buffers = self.buffers
         return o
 
 
 def plan(min_tokens: int, op: str = "attn_res_add_rmsnorm", *, tokens: int, candidates: int, hidden: int,
-         add: bool = True, add2: bool = False, device="cuda", kernel: str = "single_cta") -> PlanInfo:
-    """The plan of `op` under the knob (device: as attnres.plan's, e.g. "h200" without a GPU)."""
+         add: bool = True, add2: bool = False, device="cuda", kernel: str = "single_cta", buffers: int = 0) -> PlanInfo:
+    """The plan of `op` under the knobs (device: as attnres.plan's, e.g. "h200" without a GPU)."""
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
     q.tokens, q.candidates, q.hidden, q.add, q.add2 = int(tokens), int(candidates), int(hidden), bool(add), bool(add2)
-    return plan_info(_C.plan_query(q, device_info(device), StreamOptions(min_tokens, kernel).to_c()))
+    return plan_info(_C.plan_query(q, device_info(device), StreamOptions(min_tokens, kernel, buffers=buffers).to_c()))
 
 
 def attn_res_add_rmsnorm(min_tokens: int, layer_residual: Tensor, layer_residual_add: Tensor, block_residual: Tensor,

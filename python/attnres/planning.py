@@ -28,8 +28,8 @@ class PlanInfo:
     pdl: bool = False
     # persistent kernel: grid, blocks per SM, 16-byte vectors per consumer thread, ring slots, passes over each
     # row, and the dynamic shared memory of a block; single_cta: smem_bytes > 0 when it streams (its blocks,
-    # as many as are resident, loop over the tokens with the next one's rows prefetched into that memory, and
-    # each thread owns `vectors` 16-byte slices of a row)
+    # as many as are resident, loop over the tokens with the next slots - 1 tokens' rows prefetched into that
+    # memory, `slots` token buffers, and each thread owns `vectors` 16-byte slices of a row)
     blocks: int = 0
     blocks_per_sm: int = 0
     vectors: int = 0
@@ -57,7 +57,8 @@ def plan_info(p: _C.Plan) -> PlanInfo:
                     max_candidates=p.max_candidates, pdl=p.pdl, route=route, decline_code=code,
                     **({"blocks": p.blocks, "blocks_per_sm": p.blocks_per_sm, "vectors": p.vectors,
                         "slots": p.slots, "passes": p.passes, "smem_bytes": p.smem_bytes} if persistent else
-                       {"smem_bytes": p.smem_bytes, "vectors": p.vectors if p.smem_bytes > 0 else 0}))
+                       {"smem_bytes": p.smem_bytes, "vectors": p.vectors if p.smem_bytes > 0 else 0,
+                        "slots": p.slots}))
 
 
 _DESCRIBED = ("h100", "h200")

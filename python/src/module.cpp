@@ -180,7 +180,8 @@ NB_MODULE(_C, m) {
       .def_rw("_persistent_blocks_per_sm", &Options::persistent_blocks_per_sm)
       .def_rw("_persistent_slots", &Options::persistent_slots)
       .def_rw("_persistent_passes", &Options::persistent_passes)
-      .def_rw("_stream_min_tokens", &Options::stream_min_tokens);
+      .def_rw("_stream_min_tokens", &Options::stream_min_tokens)
+      .def_rw("_stream_buffers", &Options::stream_buffers);
 
   nb::class_<PlanQuery>(m, "PlanQuery")
       .def(nb::init<>())

@@ -138,3 +138,58 @@ def test_stream_graph_replay_equals_eager():
         graph.replay()
         torch.cuda.synchronize()
         assert_same_bits(out, _split_k(inp, tap=False)[1], f"replay {step} vs split_k eager")
+
+
+@pytest.mark.parametrize("N,buffers", [(1, 2), (1, 3), (1, 4), (2, 2), (2, 3), (2, 4), (3, 3), (4, 2), (4, 3)])
+def test_every_buffer_count_gives_split_k_bits(N, buffers):
+    """The token buffers (1..3 tokens in flight per block) change no bit, in every mode of both buckets: attn_res with
+    its diagnostics (with and without the addend), attn_res_rmsnorm, one and two addends with the tap and the
+    snapshot write, and the prefix updated in place; a block runs 1 to 8 tokens (T past the grid by 1, 3 and
+    ~7 rounds); every output poisoned first."""
+    s, H = _sms(), 7168
+    opts = stream.StreamOptions(0, "single_cta", buffers=buffers)
+    ref = attnres.Options(kernel="split_k")
+    for T in (s + 1, 2 * s + 3, 1000):
+        ctx = f"T={T} N={N} buffers={buffers}"
+        p = stream.plan(0, tokens=T, candidates=N, hidden=H, add=True, buffers=buffers)
+        assert p.route == "stream" and p.slots == buffers, (ctx, p)
+        inp = _inputs(T, N, H, seed=T * 13 + N + 100 * buffers)
+        w = (inp.res_weight, inp.rms_weight)
+        wn = (*w, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+        calls = {
+            "attn_res": lambda o: attnres.attn_res(inp.layer_residual, inp.block_residual, *w, inp.rms_eps, options=o),
+            "attn_res add": lambda o: attnres.attn_res(inp.layer_residual, inp.block_residual, *w, inp.rms_eps,
+                                                       layer_residual_add=inp.add, options=o),
+            "attn_res_rmsnorm": lambda o: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *wn,
+                                                                   return_mixture=True, options=o),
+            "add2 tap": lambda o: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *wn,
+                                                               layer_residual_add2=inp.add2, return_mixture=True,
+                                                               options=o),
+        }
+        before = inp.storage_snapshot()
+        for name, call in calls.items():
+            want = [t.clone() for t in call(ref)]
+            got = call(opts)
+            for t in got:
+                t.fill_(float("nan"))
+            got = call(opts)
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert_same_bits(a, b, f"{ctx}: {name} output {i} vs split_k")
+        torch.cuda.synchronize()
+        assert_storage_unchanged(before, inp)
+        # The snapshot write: the (updated) prefix into the spare bank row, nothing else written.
+        slot = inp.spare_slot
+        want = _split_k(inp, tap=False)
+        updated, output = attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *wn,
+                                                       layer_residual_add2=inp.add2, snapshot_slot=slot, options=opts)
+        torch.cuda.synchronize()
+        assert_storage_unchanged(before, inp, except_bank_row=slot, expected_row=updated)
+        assert_same_bits(output, want[1], f"{ctx}: snapshot write, output")
+        # In place, as the engines call it: out=(layer_residual, None) holds updated afterwards.
+        prefix = inp.layer_residual.clone()
+        want = attnres.attn_res_add_rmsnorm(prefix.clone(), inp.add, inp.block_residual, *wn, options=ref)
+        updated, output = attnres.attn_res_add_rmsnorm(prefix, inp.add, inp.block_residual, *wn,
+                                                       out=(prefix, None), options=opts)
+        assert updated.data_ptr() == prefix.data_ptr(), ctx
+        assert_same_bits(prefix, want[0], f"{ctx}: in place, updated")
+        assert_same_bits(output, want[1], f"{ctx}: in place, output")

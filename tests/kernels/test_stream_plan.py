@@ -86,6 +86,42 @@ def test_the_knob_is_validated(bad):
         stream.StreamOptions(1.5)
 
 
+@pytest.mark.parametrize("buffers", [2, 3, 4])
+@pytest.mark.parametrize("N", [1, 2])
+@pytest.mark.parametrize("add,add2", [(False, False), (True, False), (True, True)])
+def test_the_buffers_knob_sizes_the_ring_of_tokens(buffers, N, add, add2):
+    """Bucket 2 is built with 2, 3 and 4 token buffers: the plan reports the count as slots and sizes the shared
+    memory for it, or runs one token per block where the buffers do not fit (4 x 4 rows of 14 KB with two
+    addends); 0 keeps the plan's count."""
+    kw = dict(tokens=4096, candidates=N, hidden=7168, add=add, add2=add2, device="h200")
+    p = stream.plan(0, buffers=buffers, **kw)
+    bytes_ = _bytes(2, add, add2, 896) // 2 * buffers
+    if bytes_ + 4096 > OPTIN:
+        assert p.route == "per_token" and p.smem_bytes == 0 and p.slots == 0, p
+    else:
+        assert p.route == "stream" and p.slots == buffers and p.smem_bytes == bytes_, p
+    default = stream.plan(0, **kw)
+    assert default.route == "stream" and default.smem_bytes == _bytes(2, add, add2, 896) // 2 * default.slots
+
+
+@pytest.mark.parametrize("bad", [1, 5, -1, 1 << 20])
+def test_buffers_validated(bad):
+    with pytest.raises(attnres.ArgumentError,
+                       match=rf"^attn_res_add_rmsnorm: options\.stream_buffers must be 0 \(the plan's choice\) or in "
+                             rf"\[2, 4\], got {bad}$"):
+        stream.plan(0, tokens=300, candidates=2, hidden=7168, device="h200", buffers=bad)
+    with pytest.raises(attnres.ArgumentError, match="stream_buffers must be an int"):
+        stream.StreamOptions(0, buffers=2.0)
+
+
+def test_buffers_unbuilt():
+    """Bucket 4 (N = 3, 4) is built with two and three buffers."""
+    assert stream.plan(0, tokens=4096, candidates=3, hidden=7168, device="h200", buffers=3).slots == 3
+    with pytest.raises(attnres.ArgumentError,
+                       match=r"^attn_res_add_rmsnorm: options\.stream_buffers = 4: not built for N bucket 4$"):
+        stream.plan(0, tokens=4096, candidates=3, hidden=7168, device="h200", buffers=4)
+
+
 @pytest.mark.parametrize("op,flags", [("attn_res_add_rmsnorm", {"add": True}),
                                       ("attn_res_add_rmsnorm", {"add": True, "add2": True}),
                                       ("attn_res_rmsnorm", {}), ("attn_res", {})])

@@ -108,7 +108,7 @@ def test_cli(capsys):
     assert exc.value.code == 2 and "--variants has one grid" in capsys.readouterr().err
     for argv, message in ((["persistent", "--no-add"], "--no-add applies to the topology suite and persistent"),
                           (["persistent", "--candidates", "6"],
-                           "--candidates applies to persistent --variants and prefill only"),
+                           "--candidates applies to persistent --variants, prefill and stream"),
                           (["persistent", "--variants", "--candidates", "6,x"], "--candidates must be"),
                           (["persistent", "--variants", "--candidates", "0"], "--candidates must be")):
         with pytest.raises(SystemExit) as exc:

@@ -83,7 +83,8 @@ def test_cli(capsys):
     for argv, message in ((["prefill", "--candidates", "17"], "prefill: --candidates must be <= 16"),
                           (["prefill", "--candidates", "0"], "--candidates must be"),
                           (["topology", "--forced"], "--forced applies to the prefill suite only"),
-                          (["tune", "--candidates", "2"], "--candidates applies to persistent --variants and prefill")):
+                          (["tune", "--candidates", "2"],
+                           "--candidates applies to persistent --variants, prefill and stream")):
         with pytest.raises(SystemExit) as exc:
             bench_main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv

@@ -99,6 +99,10 @@ struct Options {
   // streams (min(T, resident) blocks loop over the tokens, prefetching the next one's rows; the same bits) from
   // this T on, where its shared memory fits and the output is bf16. 0: the plan's bound (more tokens than SMs).
   int64_t stream_min_tokens = 0;
+  // Benchmark-only (`_stream_buffers` of the binding): the streaming single_cta's token buffers (the token being
+  // reduced and the ones in flight; the same bits). 0: the plan's count (plan_tuning.hpp stream_buffers), else
+  // 2..4 where the call's N bucket is built with it (ArgumentError otherwise).
+  int32_t stream_buffers = 0;
 };
 
 // What the plan needs to know of a call: a pure function of these, the device and the options.
@@ -167,7 +171,7 @@ struct Plan {
   // (1: a token's rows stay resident from scoring to mixing; 2: they do not fit, and are streamed again to mix).
   int32_t blocks = 0;
   int32_t blocks_per_sm = 0;  // blocks resident per SM the ring is sized for (1 or 2)
-  int32_t slots = 0;
+  int32_t slots = 0;  // streaming single_cta: its token buffers (the token being reduced and those in flight)
   int32_t passes = 0;
   // persistent: the ring. single_cta: > 0 when it streams (the tokens' prefetch buffers; the launcher runs as many
   // blocks as are resident, never more than T, each looping over the tokens blockIdx.x, + gridDim.x, ..., and each

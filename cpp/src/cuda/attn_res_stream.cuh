@@ -13,11 +13,11 @@
 //     kStreamVectors vectors, ~20 % fewer instructions per token than one vector per thread; on the H200 that
 //     was level with one addend and 5 % faster with two (docs/performance.md: a block's step is bound by its
 //     serial chain of barriers and block sums, not by the instruction count).
-//   * Each thread copies its vectors of the next token's rows into shared memory (cp.async, tuning::kStreamBuffers
-//     = 2 buffers: slot s of lane l in buffer b at stream_buffer[(b * slots + s) * lanes + l], plan_tuning.hpp
-//     stream_slots) while the block reduces the current token, and reads only its own slots back
-//     (cp.async.wait_group makes a thread's copies visible to itself): a token's DRAM round trip overlaps the
-//     previous token's arithmetic.
+//   * Each thread copies its vectors of the next BUFFERS - 1 tokens' rows into shared memory (cp.async, a ring of
+//     BUFFERS token buffers, the plan's choice (plan_tuning.hpp stream_buffers): slot s of lane l in buffer b at
+//     stream_buffer[(b * slots + s) * lanes + l], plan_tuning.hpp stream_slots) while the block reduces the
+//     current token, and reads only its own slots back (cp.async.wait_group makes a thread's copies visible to
+//     itself): a token's DRAM round trip overlaps the previous tokens' arithmetic.
 //     One phase: the token's rows are all in shared memory before its reduction starts.
 //   * Before griddepcontrol.wait only the first token's bank rows 0..K-2 are copied (what no earlier kernel of
 //     the decode step writes); dependents are released right after the wait, as in the per-token kernel
@@ -46,7 +46,7 @@ constexpr int kStreamMaxThreads = kSingleCtaMaxThreads / kStreamVectors;
 // Registers bounded for one block per SM (90-120 at bucket 2, ptxas -v; one 448-thread block at H = 7168): two
 // blocks (64 registers, a few words spilled) measured 10-15 % slower with the addend and 3-5 % at N = 2 without,
 // 5-9 % faster only at N = 1 without (H100, same-run A/B, h100_6dfd1bd_stream_blocks_ab.txt).
-template <int NMAX, Mode MODE>
+template <int NMAX, Mode MODE, int BUFFERS>
 __global__ void __launch_bounds__(kStreamMaxThreads, 1)
     attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {
   constexpr int V = kStreamVectors;
@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads, 1)
   constexpr int kSlots = tuning::stream_slots(NMAX, kAdd, kAdd2);
   // kAhead: the tokens past the current one whose copies are in flight when a step starts; each step then issues
   // one more, into the buffer the thread read a step earlier.
-  constexpr int kBuffers = tuning::kStreamBuffers, kAhead = kBuffers - 2;
+  constexpr int kBuffers = BUFFERS, kAhead = kBuffers - 2;
   static_assert(kAhead >= 0, "at least two buffers");
   static_assert(NMAX <= kSingleCtaMaxCandidates, "single_cta's buckets");
   static_assert(32 % V == 0 && (V & (V - 1)) == 0, "a power-of-two share of a warp");
@@ -278,15 +278,33 @@ __global__ void __launch_bounds__(kStreamMaxThreads, 1)
   }
 }
 
-// The instance of single_cta bucket `max_candidates` (nullptr where none is built).
+// The instance of single_cta bucket `max_candidates` with `buffers` token buffers (nullptr where none is built:
+// tuning::stream_buffers_built).
 template <Mode M>
-auto stream_instance(int max_candidates) -> void (*)(PerTokenParams) {
-  static_assert(kCandidateBuckets[0] == 2 && kCandidateBuckets[1] == kSingleCtaMaxCandidates, "single_cta's buckets");
-  switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_stream_kernel<kCandidateBuckets[0], M>;
-    case kCandidateBuckets[1]: return attn_res_stream_kernel<kCandidateBuckets[1], M>;
-    default: return nullptr;
+auto stream_instance(int max_candidates, int buffers) -> void (*)(PerTokenParams) {
+  constexpr int kB0 = kCandidateBuckets[0], kB1 = kCandidateBuckets[1];
+  static_assert(kB0 == 2 && kB1 == kSingleCtaMaxCandidates, "single_cta's buckets");
+  static_assert(tuning::stream_buffers_built(kB0, 2) && tuning::stream_buffers_built(kB0, 3) &&
+                    tuning::stream_buffers_built(kB0, 4) && !tuning::stream_buffers_built(kB0, 5) &&
+                    tuning::stream_buffers_built(kB1, 2) && tuning::stream_buffers_built(kB1, 3) &&
+                    !tuning::stream_buffers_built(kB1, 4),
+                "the instances below are the ones tuning::stream_buffers_built names");
+  if (max_candidates == kB0) {
+    switch (buffers) {
+      case 2: return attn_res_stream_kernel<kB0, M, 2>;
+      case 3: return attn_res_stream_kernel<kB0, M, 3>;
+      case 4: return attn_res_stream_kernel<kB0, M, 4>;
+      default: return nullptr;
+    }
   }
+  if (max_candidates == kB1) {
+    switch (buffers) {
+      case 2: return attn_res_stream_kernel<kB1, M, 2>;
+      case 3: return attn_res_stream_kernel<kB1, M, 3>;
+      default: return nullptr;
+    }
+  }
+  return nullptr;
 }
 
 }  // namespace attnres::detail

@@ -17,14 +17,14 @@ namespace {
 
 using KernelFn = void (*)(PerTokenParams);
 
-KernelFn stream_by_mode(Mode mode, int max_candidates) {
+KernelFn stream_by_mode(Mode mode, int max_candidates, int buffers) {
   switch (mode) {
-    case Mode::mix: return stream_instance<Mode::mix>(max_candidates);
-    case Mode::norm: return stream_instance<Mode::norm>(max_candidates);
-    case Mode::add: return stream_instance<Mode::add>(max_candidates);
-    case Mode::add2: return stream_instance<Mode::add2>(max_candidates);
-    case Mode::mix_add: return stream_instance<Mode::mix_add>(max_candidates);
-    case Mode::mix_add2: return stream_instance<Mode::mix_add2>(max_candidates);
+    case Mode::mix: return stream_instance<Mode::mix>(max_candidates, buffers);
+    case Mode::norm: return stream_instance<Mode::norm>(max_candidates, buffers);
+    case Mode::add: return stream_instance<Mode::add>(max_candidates, buffers);
+    case Mode::add2: return stream_instance<Mode::add2>(max_candidates, buffers);
+    case Mode::mix_add: return stream_instance<Mode::mix_add>(max_candidates, buffers);
+    case Mode::mix_add2: return stream_instance<Mode::mix_add2>(max_candidates, buffers);
   }
   return nullptr;
 }
@@ -33,13 +33,14 @@ KernelFn stream_by_mode(Mode mode, int max_candidates) {
 
 void launch_attn_res_stream(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const Mode mode = mode_of(op, a);
-  const KernelFn kernel = a.fp8 == Fp8Scales::none ? stream_by_mode(mode, plan.max_candidates) : nullptr;
+  const KernelFn kernel = a.fp8 == Fp8Scales::none ? stream_by_mode(mode, plan.max_candidates, plan.slots) : nullptr;
   const PerTokenParams params = make_per_token_params(a, plan);
   if (kernel == nullptr || plan.cluster != 1 || plan.vectors != kStreamVectors || plan.threads > kStreamMaxThreads ||
       plan.smem_bytes != tuning::stream_smem_bytes(plan.max_candidates, mode_has_add(mode), mode_has_add2(mode),
-                                                   plan.threads))
+                                                   plan.threads, plan.slots))
     throw UnsupportedError(std::string(op_name(op)) + ": no streaming single_cta instance for the plan (N bucket " +
-                           std::to_string(plan.max_candidates) + ", " + std::to_string(plan.threads) + " threads, " +
+                           std::to_string(plan.max_candidates) + ", " + std::to_string(plan.slots) + " token buffers, " +
+                           std::to_string(plan.threads) + " threads, " +
                            std::to_string(plan.smem_bytes) + " bytes of shared memory)");
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);

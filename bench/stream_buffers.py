@@ -1,0 +1,137 @@
+"""The streaming single_cta's token buffers (python -m bench stream): one run measures the kernel with 2, 3 and 4
+token buffers (attnres._stream_tuning's buffers knob: the token being reduced and 1..3 tokens whose rows are in
+flight; a count the N bucket is not built with is recorded as declined) interleaved with the default options and
+split_k, at T in {256, 1024, 4096, 16384} x N in {1, 2, 3, 4}, with and without the addend (attn_res_add_rmsnorm
+/ attn_res_rmsnorm), H = 7168, cold L2 (rotating sets past twice the L2), against the copy floor of the same run.
+
+The question it answers (plan_tuning.hpp stream_buffers): where a token's DRAM reads are one row (N = 1 without
+the addend) one token in flight per SM is ~14 KB at H = 7168, below what an SM needs in flight to draw its share
+of the copy rate; more buffers put more in flight at the cost of shared memory. Every variant's outputs are
+compared bit for bit with split_k's (same inputs); the run exits non-zero on a difference."""
+
+from __future__ import annotations
+
+import torch
+
+import attnres
+from attnres import _C, _stream_tuning as stream
+from attnres.planning import plan_info
+from attnres.bench.timing import capture, rotating_sets, time_interleaved
+from attnres.bench.workloads import EPS, make_sets
+
+from .persistent import H_DEFAULT, op_bytes
+
+TOKENS = (256, 1024, 4096, 16384)
+CANDIDATES = (1, 2, 3, 4)
+BUFFERS = (2, 3, 4)
+MIN_CALLS = 4
+
+
+def points(tokens=TOKENS, candidates=CANDIDATES) -> list[tuple[int, int, bool]]:
+    return [(T, N, add) for add in (False, True) for N in candidates for T in tokens]
+
+
+def _same_bits(a, b) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def _options(name: str, pdl: bool):
+    if name == "default":
+        return attnres.Options(pdl=pdl)
+    if name == "split_k":
+        return attnres.Options(kernel="split_k", pdl=pdl)
+    return stream.StreamOptions(0, "single_cta", pdl, buffers=int(name.split(":")[1]))
+
+
+def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, repeats: int) -> list[dict]:
+    nbytes = op_bytes(T, N, H, add)
+    sets = make_sets(T, N, H, rotating_sets(nbytes, minimum=1), seed=T * 100 + N + 7 * add)
+    calls = [sets[i % len(sets)] for i in range(max(MIN_CALLS, len(sets)))]
+    names = ["default", "split_k"] + [f"buffers:{b}" for b in BUFFERS]
+    opts, declined = {}, {}
+    for n in names:
+        o = _options(n, pdl)
+        try:  # a count the N bucket is not built with: recorded as declined
+            attnres.plan("attn_res_add_rmsnorm" if add else "attn_res_rmsnorm", tokens=T, candidates=N, hidden=H,
+                         add=add, options=o)
+            opts[n] = o
+        except attnres.ArgumentError as e:
+            declined[n] = str(e)
+
+    def fn(s, o):
+        w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
+        if add:
+            return attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=o)
+        return (attnres.attn_res_rmsnorm(s.prefix, s.bank, *w, options=o),)
+
+    plans = {}
+    for n, o in opts.items():
+        fn(sets[0], o)
+        plans[n] = plan_info(_C._last_launch()[0])  # what ran
+    want = [t.clone() for t in fn(sets[0], opts["split_k"])]
+    bits = {n: all(_same_bits(a, b) for a, b in zip(fn(sets[0], o), want)) for n, o in opts.items()}
+    torch.cuda.synchronize()
+    graphs = {n: (capture([lambda s=s, o=o: fn(s, o) for s in calls]), len(calls)) for n, o in opts.items()}
+    timings = time_interleaved(graphs, repeats=repeats)
+    records = []
+    for n, t in timings.items():
+        gbps = nbytes / (t.median_us * 1e-6) / 1e9
+        p = plans[n]
+        records.append({"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "pdl": pdl,
+                        "sets": len(sets), "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
+                        "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0), "bitwise_equal": bits[n],
+                        "plan": {"kernel": p.kernel, "route": p.route, "slots": p.slots, "smem_bytes": p.smem_bytes,
+                                 "threads": p.threads} if p else None, **t.as_dict()})
+    records += [{"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "pdl": pdl,
+                 "declined": why} for n, why in declined.items()]
+    return records
+
+
+def run(H: int = H_DEFAULT, pdl: bool = True, copy_tbs: float | None = None, progress=None, repeats: int = 25,
+        tokens=TOKENS, candidates=CANDIDATES) -> list[dict]:
+    if copy_tbs is None:
+        from .floors import copy_bandwidth_tbs
+
+        copy_tbs = copy_bandwidth_tbs()
+    records = []
+    pts = points(tokens, candidates)
+    for i, (T, N, add) in enumerate(pts):
+        records += run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats)
+        torch.cuda.empty_cache()
+        if progress:
+            progress(i + 1, len(pts), f"stream buffers T={T} N={N}{'' if add else ' (no addend)'}")
+    return records
+
+
+def _records(records):
+    return [r for r in records if r.get("suite") == "stream_buffers"]
+
+
+def differing(records: list[dict]) -> list[tuple[int, int, bool, str]]:
+    """(T, N, add, provider) of every variant whose bits differ from split_k's."""
+    return sorted((r["T"], r["N"], r["add"], r["provider"]) for r in _records(records)
+                  if "declined" not in r and not r["bitwise_equal"])
+
+
+def summary(records: list[dict]) -> list[str]:
+    """Per point: each variant's µs, share of the copy floor and speed-up over two buffers."""
+    rec = _records(records)
+    lines = []
+    for key in sorted({(r["add"], r["N"], r["T"]) for r in rec}):
+        add, N, T = key
+        here = [r for r in rec if (r["add"], r["N"], r["T"]) == key]
+        base = next((r for r in here if r["provider"] == "buffers:2"), None)
+        copy = next((r["copy_tbs"] for r in here if "copy_tbs" in r), None)
+        lines.append(f"stream buffers T={T} N={N} {'add' if add else 'no add'}"
+                     + (f" (copy floor {copy:.2f} TB/s)" if copy else ""))
+        for r in here:
+            if "declined" in r:
+                lines.append(f"  {r['provider']:<10} declined: {r['declined']}")
+                continue
+            p = r["plan"] or {}
+            shape = f"{p.get('kernel')}/{p.get('route')} {p.get('slots')} buffers" if p else ""
+            speed = f", {base['median_us'] / r['median_us']:.3f}x two buffers" if base else ""
+            lines.append(f"  {r['provider']:<10} {shape:<32} {r['median_us']:9.2f} us (p10-p90 {r['p10_us']:.1f}-"
+                         f"{r['p90_us']:.1f}) {r['pct_copy']:5.1f}% of copy{speed}"
+                         f"{'' if r['bitwise_equal'] else '  BITS DIFFER'}")
+    return lines
