@@ -61,7 +61,8 @@ def _geometry(plan) -> dict:
             "slots": plan.slots, "passes": plan.passes, "smem_bytes": plan.smem_bytes}
 
 
-def _same_bits(a, b) -> bool:
+def same_bits(a, b) -> bool:
+    """The two tensors hold the same bf16 bit patterns (shape included)."""
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
@@ -88,7 +89,7 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
     bits = {}
     for name, fn in fns.items():
         got = [t for t in fn(sets[0]) if t is not None]
-        bits[name] = len(got) == len(want) and all(_same_bits(a, b) for a, b in zip(got, want))
+        bits[name] = len(got) == len(want) and all(same_bits(a, b) for a, b in zip(got, want))
     torch.cuda.synchronize()
 
     graphs = {name: (capture([lambda s=s, fn=fn: fn(s) for s in calls]), len(calls)) for name, fn in fns.items()}

@@ -20,6 +20,7 @@ from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
 from .persistent import H_DEFAULT, op_bytes
+from .persistent_variants import same_bits
 
 TOKENS = (256, 1024, 4096, 16384)
 CANDIDATES = (1, 2, 3, 4)
@@ -29,10 +30,6 @@ MIN_CALLS = 4
 
 def points(tokens=TOKENS, candidates=CANDIDATES) -> list[tuple[int, int, bool]]:
     return [(T, N, add) for add in (False, True) for N in candidates for T in tokens]
-
-
-def _same_bits(a, b) -> bool:
-    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
 
 
 def _options(name: str, pdl: bool):
@@ -69,7 +66,7 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
         fn(sets[0], o)
         plans[n] = plan_info(_C._last_launch()[0])  # what ran
     want = [t.clone() for t in fn(sets[0], opts["split_k"])]
-    bits = {n: all(_same_bits(a, b) for a, b in zip(fn(sets[0], o), want)) for n, o in opts.items()}
+    bits = {n: all(same_bits(a, b) for a, b in zip(fn(sets[0], o), want)) for n, o in opts.items()}
     torch.cuda.synchronize()
     graphs = {n: (capture([lambda s=s, o=o: fn(s, o) for s in calls]), len(calls)) for n, o in opts.items()}
     timings = time_interleaved(graphs, repeats=repeats)
