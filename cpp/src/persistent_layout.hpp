@@ -121,13 +121,13 @@ constexpr int32_t max_slots(int64_t budget, int64_t candidates, int64_t hidden) 
 }
 
 // Whether the two-blocks-per-SM geometry exists for a row of `hidden` elements on a device whose blocks may
-// opt into `optin` bytes: an instance (no FP8 epilogue, at most kTwoBlocksMaxThreads threads) and a ring of at
+// opt into `optin` bytes: an instance (at most kTwoBlocksMaxThreads threads) and a ring of at
 // least tuning::kPersistentMinSlots slots in half the SM's shared memory. Its launch bounds (two blocks of
 // kTwoBlocksMaxThreads) cap the registers, and block_budget leaves each block its reserved kilobyte, so both
 // blocks are resident wherever this holds; the plan on a queried GPU still asks the occupancy calculator
 // (attnres::plan, run.cpp) and falls back to one block per SM for an automatic geometry.
-constexpr bool two_blocks_fit(int64_t hidden, bool fp8, int64_t optin) {
-  return !fp8 && consumer_threads(hidden) + kProducerThreads <= kTwoBlocksMaxThreads &&
+constexpr bool two_blocks_fit(int64_t hidden, int64_t optin) {
+  return consumer_threads(hidden) + kProducerThreads <= kTwoBlocksMaxThreads &&
          max_slots(block_budget(optin, 2), kMaxCandidates, hidden) >= tuning::kPersistentMinSlots;
 }
 

@@ -78,7 +78,6 @@ const char* decline_code_name(DeclineCode code) {
     case DeclineCode::cpu_kernel_on_cuda: return "cpu_kernel_on_cuda";
     case DeclineCode::too_many_tokens: return "too_many_tokens";
     case DeclineCode::persistent_two_blocks_threads: return "persistent_two_blocks_threads";
-    case DeclineCode::persistent_two_blocks_fp8: return "persistent_two_blocks_fp8";
     case DeclineCode::persistent_shared_memory: return "persistent_shared_memory";
     case DeclineCode::persistent_slots: return "persistent_slots";
     case DeclineCode::persistent_one_pass: return "persistent_one_pass";
@@ -152,12 +151,12 @@ bool automatic_streams(const PlanQuery& q, const DeviceInfo& dev, const Options&
 
 // The blocks per SM of the persistent plan for the call: the knob when set, else two wherever that geometry
 // exists (persistent::two_blocks_fit) and also honours the other knobs (a slot count that fits half the SM, one
-// pass when forced), else one. A function of H, FP8, the device and the knobs (and N only for a forced single
+// pass when forced), else one. A function of H, the device and the knobs (and N only for a forced single
 // pass), never of T.
 int32_t persistent_blocks_per_sm(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   if (o.persistent_blocks_per_sm > 0) return o.persistent_blocks_per_sm;
   const int64_t optin = dev.shared_memory_per_block_optin;
-  if (!persistent::two_blocks_fit(q.hidden, q.fp8 != Fp8Scales::none, optin)) return 1;
+  if (!persistent::two_blocks_fit(q.hidden, optin)) return 1;
   const int32_t fit = persistent::max_slots(persistent::block_budget(optin, 2), q.candidates, q.hidden);
   if (o.persistent_slots > fit) return 1;
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
@@ -210,10 +209,6 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
                     "persistent_blocks_per_sm = " + std::to_string(per_sm) + " needs <= " +
                     std::to_string(persistent::kTwoBlocksMaxThreads) + " threads per block; H = " +
                     std::to_string(H) + " takes " + std::to_string(threads));
-  if (per_sm > 1 && q.fp8 != Fp8Scales::none)
-    return declined(DeclineCode::persistent_two_blocks_fp8,
-                    "persistent_blocks_per_sm = " + std::to_string(per_sm) + " has no FP8 instance (fp8 = " +
-                    fp8_scales_name(q.fp8) + ")");
   const int64_t budget = persistent::block_budget(dev.shared_memory_per_block_optin, per_sm);
   const int32_t fit = persistent::max_slots(budget, q.candidates, H);
   if (fit < tuning::kPersistentMinSlots)

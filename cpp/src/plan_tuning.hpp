@@ -32,7 +32,7 @@ constexpr int32_t candidate_bucket(int64_t n) {
 
 // The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). Automatic geometry: two blocks
 // per SM, each with a ring in half the SM's shared memory, wherever that geometry exists
-// (persistent::two_blocks_fit: no FP8, <= 256 threads, >= kPersistentMinSlots slots), one block with the whole
+// (persistent::two_blocks_fit: <= 256 threads, >= kPersistentMinSlots slots), one block with the whole
 // 227 KB otherwise; one block measured slower, it cannot keep enough rows in flight while its consumers reduce
 // and mix (docs/performance.md). Options::persistent_blocks_per_sm forces either.
 // One pass keeps a token's rows resident from scoring to mixing and needs a slot per row; the automatic choice

@@ -290,7 +290,7 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(plan(4096, 9, 2304).blocks_per_sm, 2);
   EXPECT_EQ(plan(4096, 9, 4096).blocks_per_sm, 2);
   // No two-blocks instance: more than 256 threads (H = 8192: 288; H = 2048: 8 consumer warps + the producer;
-  // H = 16384), or an FP8 epilogue: one block, the whole ring.
+  // H = 16384): one block, the whole ring.
   for (int64_t H : {int64_t{2048}, int64_t{8192}, int64_t{16384}}) {
     SCOPED_TRACE("H=" + std::to_string(H));
     p = plan(4096, 9, H);
@@ -298,16 +298,16 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
     EXPECT_EQ(p.blocks_per_sm, 1);
     EXPECT_GT(p.threads, layout::kTwoBlocksMaxThreads);
     EXPECT_EQ(p.slots, layout::max_slots(kH200Smem, 9, H));
-    EXPECT_FALSE(layout::two_blocks_fit(H, false, kH200Smem));
+    EXPECT_FALSE(layout::two_blocks_fit(H, kH200Smem));
   }
+  // The FP8 epilogue takes the bf16 op's geometry: its two-blocks instances fit the same registers.
   for (Fp8Scales fp8 : {Fp8Scales::per_token, Fp8Scales::block128}) {
     p = plan(4096, 9, 7168, fp8);
     ASSERT_TRUE(p.accepted()) << p.decline;
-    EXPECT_EQ(p.blocks_per_sm, 1);
-    EXPECT_EQ(p.slots, 16);
+    EXPECT_EQ(p.blocks_per_sm, 2);
+    EXPECT_EQ(p.slots, plan(4096, 9, 7168).slots);
   }
-  EXPECT_FALSE(layout::two_blocks_fit(7168, true, kH200Smem));
-  EXPECT_TRUE(layout::two_blocks_fit(7168, false, kH200Smem));
+  EXPECT_TRUE(layout::two_blocks_fit(7168, kH200Smem));
   // Fall-back to one block where half the SM holds fewer than two slots: at H = 7168 two slots need
   // smem_bytes(2) per block, i.e. an opt-in of 2 * (that + 1 KB) - 1 KB.
   const int64_t need2 = 2 * (layout::smem_bytes(2, layout::kMaxCandidates, 7168) + layout::kReservedSharedPerBlock) -
@@ -441,16 +441,19 @@ TEST(PlanPersistent, AutomaticTopologyFollowsTheGeometry) {
   }
   const Plan p = attnres::plan(query(add, 4096, 9, 7168, true), h200(), Options{});
   EXPECT_EQ(p.blocks_per_sm, 2);
-  // Without the two-blocks geometry (more than 256 threads, FP8, too little shared memory) the persistent
-  // kernel would run on one block: per-token at every T.
+  // Without the two-blocks geometry (more than 256 threads, too little shared memory) the persistent kernel
+  // would run on one block: per-token at every T.
   for (int64_t H : {int64_t{2048}, int64_t{8192}, int64_t{16384}}) {
     SCOPED_TRACE("H=" + std::to_string(H));
     EXPECT_EQ(kernel(4096, H), KernelKind::split_k);
     EXPECT_EQ(kernel(16384, H), KernelKind::split_k);
   }
+  // The FP8 epilogue keeps the bf16 op's choice (its two-blocks instances exist).
   for (Fp8Scales fp8 : {Fp8Scales::per_token, Fp8Scales::block128}) {
-    EXPECT_EQ(kernel(4096, 7168, fp8), KernelKind::split_k);
-    EXPECT_EQ(kernel(16384, 7168, fp8), KernelKind::split_k);
+    EXPECT_EQ(kernel(511, 7168, fp8), KernelKind::split_k);
+    EXPECT_EQ(kernel(512, 7168, fp8), KernelKind::persistent);
+    EXPECT_EQ(kernel(16384, 7168, fp8), KernelKind::persistent);
+    EXPECT_EQ(kernel(4096, 8192, fp8), KernelKind::split_k);
   }
   const int32_t short_smem = static_cast<int32_t>(2 * (layout::smem_bytes(2, layout::kMaxCandidates, 7168) + layout::kReservedSharedPerBlock) -
                                                   layout::kReservedSharedPerBlock - 1);

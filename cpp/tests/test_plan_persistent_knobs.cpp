@@ -125,7 +125,7 @@ TEST(PlanPersistentKnobs, KnobsNeverChangeTheArithmeticGeometry) {
               const int64_t rows = N + (add ? 1 : 0);
               // Automatic blocks per SM: two where that geometry exists and honours the other knobs.
               const int32_t fit2 = layout::max_slots(layout::block_budget(kH200Smem, 2), N, H);
-              const bool two = layout::two_blocks_fit(H, false, kH200Smem) && slots <= fit2 &&
+              const bool two = layout::two_blocks_fit(H, kH200Smem) && slots <= fit2 &&
                                !(passes == 1 && (slots ? slots : fit2) < rows);
               const int32_t per_sm = bps == 0 ? (two ? 2 : 1) : bps;
               const int64_t budget = layout::block_budget(kH200Smem, per_sm);
@@ -175,8 +175,9 @@ TEST(PlanPersistentKnobs, GeometriesThatDoNotFitAreDeclined) {
   EXPECT_EQ(p.decline, "persistent_blocks_per_sm = 2 needs <= 256 threads per block; H = 8192 takes 288");
   PlanQuery fp8 = query(4096, 9, 7168, true);
   fp8.fp8 = Fp8Scales::block128;
-  p = attnres::plan(fp8, h200(), knobs(2, 0, 0));
-  EXPECT_EQ(p.decline, "persistent_blocks_per_sm = 2 has no FP8 instance (fp8 = block128)");
+  p = attnres::plan(fp8, h200(), knobs(2, 0, 0));  // FP8 has two-blocks instances too
+  ASSERT_TRUE(p.accepted()) << p.decline;
+  EXPECT_EQ(p.blocks_per_sm, 2);
   EXPECT_TRUE(attnres::plan(fp8, h200(), knobs(1, 9, 2)).accepted());
   // H = 16384 (6 slots of 32 KB at one block per SM) has too little shared memory per block at two.
   p = attnres::plan(query(4096, 9, 16384, true, AttnResOp::attn_res_add_rmsnorm_persistent), h200(),

@@ -163,9 +163,6 @@ TEST(PlanDeclineCode, EveryReasonHasItsCode) {
   two.persistent_blocks_per_sm = 2;
   expect_declined(attnres::plan(query(kAdd, 64, 3, 16384, true), h200(), two),
                   DeclineCode::persistent_two_blocks_threads);
-  PlanQuery fp8 = query(kAdd, 64, 3, 1024, true);
-  fp8.fp8 = Fp8Scales::per_token;
-  expect_declined(attnres::plan(fp8, h200(), two), DeclineCode::persistent_two_blocks_fp8);
   expect_declined(attnres::plan(query(kAdd, 64, 3, 16384, true), described_h200(40000), topology(Topology::persistent)),
                   DeclineCode::persistent_shared_memory);
   Options slots = topology(Topology::persistent);

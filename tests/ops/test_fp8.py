@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import attnres
-from attnres import fp8
+from attnres import _persistent_tuning, fp8
 from conftest import DEVICES, requires_cuda
 from helpers import BF16, assert_same_bits, bits, kernel_options, make_inputs, poison_
 
@@ -157,15 +157,30 @@ def test_split_k_groups_across_blocks(mode, H, cluster):
 
 @requires_cuda
 @pytest.mark.parametrize("mode", MODES)
-def test_persistent_every_vector_bucket(mode):
-    # H = 1152 (chunks of 72 vectors, 3 consumer warps each) and 2560 (chunks of 107, 4 vectors per thread):
-    # 128-column groups straddle two chunks, hence two consumer warps (the shared-memory group reduction).
+@pytest.mark.parametrize("blocks_per_sm", (0, 1, 2))
+def test_persistent_every_vector_bucket(mode, blocks_per_sm):
+    """Every vector bucket of the persistent kernel's FP8 instances on either geometry (0: the plan's, two blocks
+    per SM where that instance exists: H <= 7168 but 1544-2048), one pass and two (N = 9, 16 at H = 7168 on two
+    blocks), with the addend and without (attn_res_rmsnorm on the persistent topology). H = 1152 (chunks of 72
+    vectors, 3 consumer warps each) and 2560 (chunks of 107, 4 vectors per thread): 128-column groups straddle
+    two chunks, hence two consumer warps (the shared-memory group reduction)."""
+    variant = _persistent_tuning.Variant(f"{blocks_per_sm} blocks per SM", blocks_per_sm=blocks_per_sm)
+    options = variant.options()
     for T, N, H in ((1, 2, 1024), (40, 5, 2048), (7, 9, 7168), (3, 16, 16384), (130, 3, 4096), (5, 4, 1152),
-                    (9, 9, 2560)):
-        inp = make_inputs(T, N, H, addends=1, seed=T + H, device="cuda")
-        for pow2 in (False, True):
-            _check_against_reference(_call("attn_res_add_rmsnorm_persistent", inp, mode, pow2), mode, pow2,
-                                     f"persistent T={T} N={N} H={H}", _bf16_call("attn_res_add_rmsnorm_persistent", inp))
+                    (9, 9, 2560), (300, 6, 7168), (6, 16, 7168)):
+        for op in ("attn_res_add_rmsnorm_persistent", "attn_res_rmsnorm"):
+            add = op != "attn_res_rmsnorm"
+            planned = attnres.plan(op, tokens=T, candidates=N, hidden=H, device="cuda", add=add, fp8=mode,
+                                   options=options)
+            if not planned.accepted:
+                assert blocks_per_sm == 2 and planned.decline_code == "persistent_two_blocks_threads", (T, N, H)
+                continue
+            assert planned.kernel == "persistent" and (blocks_per_sm == 0 or planned.blocks_per_sm == blocks_per_sm)
+            inp = make_inputs(T, N, H, addends=int(add), seed=T + H, device="cuda")
+            for pow2 in (False, True):
+                what = f"{op} T={T} N={N} H={H} blocks_per_sm={planned.blocks_per_sm} passes={planned.passes}"
+                _check_against_reference(_call(op, inp, mode, pow2, options=options), mode, pow2, what,
+                                         _bf16_call(op, inp, options))
 
 
 @pytest.mark.parametrize("device", DEVICES)

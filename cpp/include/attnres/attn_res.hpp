@@ -140,14 +140,13 @@ enum class DeclineCode : int32_t {
   cpu_kernel_on_cuda = 10,            // kernel cpu forced for CUDA tensors
   too_many_tokens = 11,               // T above the per-launch limit
   persistent_two_blocks_threads = 12, // two blocks per SM with more threads than their instance is built for
-  persistent_two_blocks_fp8 = 13,     // two blocks per SM with an FP8 epilogue (no such instance)
-  persistent_shared_memory = 14,      // not even the smallest ring fits a block's shared memory
-  persistent_slots = 15,              // the slot knob outside what fits
-  persistent_one_pass = 16,           // one pass forced where a token's rows do not fit the ring
-  persistent_in_place_two_passes = 17,// in place on the two-pass geometry
-  persistent_not_resident = 18,       // two blocks per SM forced where the occupancy calculator finds fewer
-  single_cta_too_large = 19,          // single_cta forced where a token's rows do not fit one block
-  split_k_threads = 20,               // split_k with a cluster too small for H
+  persistent_shared_memory = 13,      // not even the smallest ring fits a block's shared memory
+  persistent_slots = 14,              // the slot knob outside what fits
+  persistent_one_pass = 15,           // one pass forced where a token's rows do not fit the ring
+  persistent_in_place_two_passes = 16,// in place on the two-pass geometry
+  persistent_not_resident = 17,       // two blocks per SM forced where the occupancy calculator finds fewer
+  single_cta_too_large = 18,          // single_cta forced where a token's rows do not fit one block
+  split_k_threads = 19,               // split_k with a cluster too small for H
 };
 const char* decline_code_name(DeclineCode code);
 

@@ -23,18 +23,20 @@ PersistentKernel by_add(bool add, int vectors) {
 
 // `norm`: attn_res_rmsnorm / attn_res_add_rmsnorm (and the persistent op); else attn_res, whose instances have no
 // FP8 epilogue (the plan declines FP8 without a norm before any kernel is chosen).
+template <int BLOCKS_PER_SM>
+PersistentKernel by_fp8(Fp8Scales fp8, bool add, int vectors) {
+  switch (fp8) {
+    case Fp8Scales::none: return by_add<Fp8Mode::none, BLOCKS_PER_SM>(add, vectors);
+    case Fp8Scales::per_token: return by_add<Fp8Mode::per_token, BLOCKS_PER_SM>(add, vectors);
+    case Fp8Scales::block128: return by_add<Fp8Mode::block128, BLOCKS_PER_SM>(add, vectors);
+  }
+  return nullptr;
+}
+
 PersistentKernel select_kernel(bool norm, Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
   if (!norm) return fp8 == Fp8Scales::none ? persistent_mix_instance(add, vectors, blocks_per_sm) : nullptr;
-  if (blocks_per_sm == 2) {  // the two-blocks geometry has no FP8 instance; the plan declines it
-    if (fp8 != Fp8Scales::none) return nullptr;
-    return by_add<Fp8Mode::none, 2>(add, vectors);
-  }
-  if (blocks_per_sm != 1) return nullptr;
-  switch (fp8) {
-    case Fp8Scales::none: return by_add<Fp8Mode::none>(add, vectors);
-    case Fp8Scales::per_token: return by_add<Fp8Mode::per_token>(add, vectors);
-    case Fp8Scales::block128: return by_add<Fp8Mode::block128>(add, vectors);
-  }
+  if (blocks_per_sm == 1) return by_fp8<1>(fp8, add, vectors);
+  if (blocks_per_sm == 2) return by_fp8<2>(fp8, add, vectors);
   return nullptr;
 }
 
