@@ -18,8 +18,8 @@ from attnres.bench import chain, host, results
 from attnres.bench import cli as common
 from attnres.models.kimi_k3.config import HIDDEN_RULE, hidden_supported
 
-from . import (allreduce, floors, fp8, guard, peers, persistent, persistent_variants, prefill, stream_buffers, topology,
-               tp, tune)
+from . import (allreduce, floors, fp8, fp8_prefill, guard, peers, persistent, persistent_variants, prefill,
+               stream_buffers, topology, tp, tune)
 from .targets import targets
 
 SUITES = {
@@ -43,7 +43,9 @@ SUITES = {
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
-           "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all')",
+           "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all'); "
+           "--prefill: attn_res_rmsnorm, one addend and two with FP8 against bf16 under the default options, "
+           "T = 1024, 4096 x N = 1..12, cold L2 (--quick: 3 points)",
     "allreduce": "the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower bound: local "
                  "memory instead of NVLink) against the plain op and the unfused all_reduce + op, T = 1..32",
     "guard": "a quick check of key points against --baseline; non-zero exit on a regression",
@@ -99,6 +101,8 @@ def parser() -> argparse.ArgumentParser:
                         "addend or, with --no-add, without it")
     f = p.add_argument_group("fp8")
     f.add_argument("--pow2", action="store_true", help="fp8: power-of-two scales (fp8_pow2_scales=True)")
+    f.add_argument("--prefill", action="store_true",
+                   help="fp8: the prefill grid (every normed op, T = 1024, 4096, cold L2, the default options)")
     g = p.add_argument_group("guard")
     g.add_argument("--baseline", default=None,
                    help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
@@ -126,6 +130,8 @@ def _tune_step(args) -> common.Step:
 
 
 def _fp8_step(args) -> common.Step:
+    if args.prefill:
+        return lambda progress, extra: fp8_prefill.run(quick=args.quick, progress=progress, repeats=args.repeats)
     return lambda progress, extra: fp8.run(quick=args.quick, options=attnres.Options(pdl=not args.no_pdl),
                                            progress=progress, repeats=args.repeats, pow2=args.pow2)
 
@@ -221,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")
     if args.suite == "stream" and args.candidates_values and max(args.candidates_values) > 4:
         p.error(f"stream: --candidates must be <= 4 (the streaming kernel's N buckets), got {args.candidates!r}")
+    if args.prefill and args.suite != "fp8":
+        p.error("--prefill applies to the fp8 suite only")
+    if args.prefill and (args.pow2 or args.no_pdl):
+        p.error("fp8 --prefill runs the default options: drop --pow2 and --no-pdl")
     if args.mix and args.suite != "topology":
         p.error("--mix applies to the topology suite only")
     if args.variants and args.quick:
@@ -235,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite == "allreduce":
         return _allreduce(args)
     return common.measure(args, STEPS[args.suite], name="bench",
-                          summaries=(chain, persistent, persistent_variants, stream_buffers, fp8, peers, topology,
-                                     prefill, host),
+                          summaries=(chain, persistent, persistent_variants, stream_buffers, fp8, fp8_prefill, peers,
+                                     topology, prefill, host),
                           checks=(common.chains_agree, fp8_agrees, variants_agree, stream_agrees), targets=targets)
 
 
@@ -258,11 +268,12 @@ def stream_agrees(records: list[dict]) -> bool:
 
 
 def fp8_agrees(records: list[dict]) -> bool:
-    """The fp8 suite's correctness check (fused codes and scales = the reference quantization), on stderr."""
+    """The fp8 suite's correctness check (fused codes and scales = the reference quantization), on stderr; with
+    --prefill, (op, T, N, mode)."""
     bad = sorted({(r["T"], r["N"], r["mode"]) for r in records
-                  if r.get("suite") == "fp8" and r.get("bitwise_equal") is False})
+                  if r.get("suite") == "fp8" and r.get("bitwise_equal") is False}) + fp8_prefill.differing(records)
     if bad:
-        print(f"fp8: the fused FP8 output DIFFERS from quantize(output) at (T, N, mode) = {bad}", file=sys.stderr)
+        print(f"fp8: the fused FP8 output DIFFERS from quantize(output) at {bad}", file=sys.stderr)
     return not bad
 
 

@@ -125,11 +125,14 @@ int32_t stream_buffers(const PlanQuery& q, const Options& o) {
 
 // single_cta streams (cuda/attn_res_stream.cuh) from the knob's T on, by default once there are more tokens than
 // SMs (one block of a few hundred threads and up to 64 registers each fills an SM's registers, so without
-// streaming each SM runs its tokens one after the other, every one a full DRAM round trip); bf16 output only,
-// and only where the prefetch buffers fit the block's shared memory. Its shared memory, 0 when it does not.
+// streaming each SM runs its tokens one after the other, every one a full DRAM round trip), only where the
+// prefetch buffers fit the block's shared memory, and with block128 FP8 scales only where the 128-column groups
+// align with split_k's chunks (the streaming epilogue reduces a group within half a warp). Its shared memory, 0
+// when it does not stream.
 int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t from = o.stream_min_tokens > 0 ? o.stream_min_tokens : int64_t{dev.sm_count} + 1;
-  if (q.fp8 != Fp8Scales::none || q.tokens < from) return 0;
+  if (q.tokens < from) return 0;
+  if (q.fp8 == Fp8Scales::block128 && tuning::split_k_chunk(q.hidden) % 16 != 0) return 0;
   const int64_t bytes = tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2,
                                                   stream_threads(q.hidden), stream_buffers(q, o));
   if (bytes + tuning::kStreamStaticSharedBytes > dev.shared_memory_per_block_optin) return 0;

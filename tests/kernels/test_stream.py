@@ -193,3 +193,48 @@ def test_every_buffer_count_gives_split_k_bits(N, buffers):
         assert updated.data_ptr() == prefix.data_ptr(), ctx
         assert_same_bits(prefix, want[0], f"{ctx}: in place, updated")
         assert_same_bits(output, want[1], f"{ctx}: in place, output")
+
+
+@pytest.mark.parametrize("mode", ["per_token", "block128"])
+@pytest.mark.parametrize("H", [1152, 4608, 7168, 8192])
+def test_fp8_epilogue_gives_split_k_codes_and_scales(mode, H):
+    """The FP8 instances: the codes and scales of split_k's FP8 call, bit for bit (so those of attnres.fp8.quantize
+    of the bf16 output), and the same bf16 output, in every norm mode (attn_res_rmsnorm, one addend, two), both
+    buckets, power-of-two scales or not, a block running 1, 2 or 3+ tokens. block128 streams only where the
+    128-column groups align with split_k's chunks (H = 7168, 8192: chunks of 128 vectors); at H = 1152 and 4608
+    (chunks of 72 and 116) the plan keeps single_cta on its per-token launch, with the same bits. Outputs poisoned
+    first, inputs unchanged."""
+    s = _sms()
+    aligned = H in (7168, 8192)
+    for N, T, min_tokens in ((1, s + 1, 0), (2, 2 * s + 3, 0), (3, 5, stream.ALWAYS), (4, s + 7, 0)):
+        inp = _inputs(T, N, H, seed=T * 7 + N + H)
+        w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+        calls = {
+            "norm": lambda o, p: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8=mode,
+                                                          fp8_pow2_scales=p, options=o),
+            "add": lambda o, p: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                                             fp8=mode, fp8_pow2_scales=p, options=o),
+            "add2": lambda o, p: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                                              layer_residual_add2=inp.add2, fp8=mode,
+                                                              fp8_pow2_scales=p, options=o),
+        }
+        opts = stream.StreamOptions(min_tokens, "single_cta")
+        ref = attnres.Options(kernel="split_k")
+        before = inp.storage_snapshot()
+        for name, call in calls.items():
+            planned = attnres.plan("attn_res_rmsnorm" if name == "norm" else "attn_res_add_rmsnorm", tokens=T,
+                                   candidates=N, hidden=H, device="cuda", add=name != "norm", add2=name == "add2",
+                                   fp8=mode, options=opts)
+            ctx = f"{mode} H={H} N={N} T={T} {name}"
+            assert planned.kernel == "single_cta", (ctx, planned)
+            assert (planned.route == "stream") == (mode == "per_token" or aligned), (ctx, planned)
+            for pow2 in (False, True):
+                want = [t.clone() for t in call(ref, pow2)]
+                got = call(opts, pow2)
+                for t in got:
+                    t.view(torch.uint8).fill_(0x7F) if t.dtype == torch.float8_e4m3fn else t.fill_(float("nan"))
+                got = call(opts, pow2)
+                for i, (a, b) in enumerate(zip(got, want)):
+                    assert_same_bits(a, b, f"{ctx} pow2={pow2}: result {i} vs split_k")
+        torch.cuda.synchronize()
+        assert_storage_unchanged(before, inp)

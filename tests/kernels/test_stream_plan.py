@@ -55,10 +55,19 @@ def test_the_knob_moves_the_bound():
     assert stream.plan(500, tokens=500, **kw).smem_bytes > 0
 
 
-def test_no_streaming_for_fp8_or_buffers_that_do_not_fit():
-    p = attnres.plan("attn_res_add_rmsnorm", tokens=1000, candidates=4, hidden=7168, device="h200", add=True,
-                     fp8="block128", options=attnres.Options(kernel="single_cta"))
-    assert p.kernel == "single_cta" and p.smem_bytes == 0, p
+def test_no_streaming_for_unaligned_block128_groups_or_buffers_that_do_not_fit():
+    single_cta = attnres.Options(kernel="single_cta")
+    for fp8 in (None, "per_token", "block128"):
+        p = attnres.plan("attn_res_add_rmsnorm", tokens=1000, candidates=4, hidden=7168, device="h200", add=True,
+                         fp8=fp8, options=single_cta)
+        assert p.kernel == "single_cta" and p.route == "stream" and p.smem_bytes > 0, (fp8, p)
+    # H = 4608: split_k's chunks of 116 vectors split 128-column groups; per_token streams, block128 does not.
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1000, candidates=4, hidden=4608, device="h200", add=True,
+                     fp8="per_token", options=single_cta)
+    assert p.route == "stream", p
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1000, candidates=4, hidden=4608, device="h200", add=True,
+                     fp8="block128", options=single_cta)
+    assert p.kernel == "single_cta" and p.route == "per_token" and p.smem_bytes == 0, p
     # H = 8192 (1024 lanes, 512 threads), bucket 4, two addends: 2 x 6 x 1024 x 16 = 196,608 B + the static arrays
     # fit.
     p = stream.plan(0, tokens=1000, candidates=4, hidden=8192, add2=True, device="h200")
@@ -126,8 +135,9 @@ def test_buffers_unbuilt():
                                       ("attn_res_add_rmsnorm", {"add": True, "add2": True}),
                                       ("attn_res_rmsnorm", {}), ("attn_res", {})])
 def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(op, flags):
-    """N <= 2, T >= 256, H > 4096 (one block fills an SM's registers), bf16: single_cta streaming, ahead of the
-    persistent kernel too; split_k below T = 256, for N >= 3, at H <= 4096 and with the FP8 epilogue."""
+    """N <= 2, T >= 256, H > 4096 (one block fills an SM's registers): single_cta streaming, ahead of the
+    persistent kernel too, with the FP8 epilogue as without (block128 only where its 128-column groups align with
+    split_k's chunks); split_k below T = 256, for N >= 3 and at H <= 4096."""
     def plan(T, N, H, **kw):
         return attnres.plan(op, tokens=T, candidates=N, hidden=H, device="h200", **flags, **kw)
     for T in (256, 1000, 4096, 16384):
@@ -138,7 +148,11 @@ def test_automatic_takes_the_streaming_single_cta_where_it_was_measured_faster(o
         assert plan(T, 2, 4096).kernel in ("split_k", "persistent")
     assert plan(255, 2, 7168).kernel == "split_k"
     if op != "attn_res":
-        p = plan(4096, 2, 7168, fp8="per_token")
+        for fp8 in ("per_token", "block128"):
+            p = plan(4096, 2, 7168, fp8=fp8)
+            assert p.route == "stream" and p.smem_bytes == plan(4096, 2, 7168).smem_bytes, p
+        assert plan(4096, 2, 4608, fp8="per_token").route == "stream"
+        p = plan(4096, 2, 4608, fp8="block128")  # chunks of 116 vectors: the groups straddle them
         assert p.kernel in ("split_k", "persistent") and p.route != "stream", p
     # N = 9 keeps the persistent kernel's rule (one addend, T >= 512 at H = 7168).
     if flags == {"add": True}:

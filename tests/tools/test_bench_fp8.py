@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench import fp8
+import attnres
+from bench import fp8, fp8_prefill
 from bench.cli import SUITES, fp8_agrees
 from bench.cli import main as bench_main
+from bench.targets import targets
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
@@ -74,3 +76,55 @@ def test_an_unmeasured_variant_is_reported():
     assert any("not measured: BackendCompilerFailed" in line for line in lines)
     row = next(r for r in fp8.table(recs) if r[:3] == (1, 9, "block128"))
     assert row[7] is None
+
+
+# ------------------------------------------------------------------------------------------- --prefill
+def test_prefill_grid_and_cli_checks(capsys):
+    assert fp8_prefill.points() == [(op, T, N) for op in ("norm", "add", "add2") for N in (1, 2, 3, 5, 7, 9, 12)
+                                    for T in (1024, 4096)]
+    assert fp8_prefill.points(quick=True) == [("add", 4096, 2), ("add", 4096, 6), ("add", 4096, 9)]
+    assert fp8_prefill.TARGET_FRACTION == 0.03
+    for argv in (["prefill", "--prefill"], ["fp8", "--prefill", "--pow2"], ["fp8", "--prefill", "--no-pdl"]):
+        with pytest.raises(SystemExit):
+            bench_main(argv)
+    assert "--prefill" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("op,N", [("norm", 1), ("add", 6), ("add2", 9)])
+def test_prefill_points_plan_the_fp8_call_on_the_bf16_kernel(op, N):
+    """The FP8 call runs where the bf16 call does (both GPUs' plans, T = 1024 and 4096): what the prefill suite's
+    target compares."""
+    for device in ("h100", "h200"):
+        for T in fp8_prefill.TOKENS:
+            plans = [attnres.plan(fp8_prefill.function_name(op), tokens=T, candidates=N, hidden=7168, device=device,
+                                  add=op != "norm", add2=op == "add2", fp8=m) for m in (None, *fp8_prefill.MODES)]
+            assert len({(p.kernel, p.route, p.blocks_per_sm) for p in plans}) == 1, (device, T, plans)
+
+
+def _prefill_rec(op, T, N, mode, median, kernel="persistent", equal=True):
+    return {"suite": "fp8_prefill", "provider": fp8_prefill.provider(mode), "op": op, "mode": mode, "T": T, "N": N,
+            "H": 7168, "kernel": kernel, "median_us": median, "bitwise_equal": None if mode is None else equal}
+
+
+def _prefill_records(cost=0.02, equal=True, fp8_kernel="persistent"):
+    recs = []
+    for op, T, N in (("add", 4096, 6), ("norm", 1024, 2)):
+        recs.append(_prefill_rec(op, T, N, None, 100.0))
+        for mode in fp8_prefill.MODES:
+            recs.append(_prefill_rec(op, T, N, mode, 100.0 * (1 + cost), fp8_kernel, equal))
+    return recs
+
+
+def test_prefill_table_target_and_summary():
+    rows = fp8_prefill.table(_prefill_records(0.02))
+    assert len(rows) == 4 and rows[0]["op"] == "norm" and rows[0]["cost"] == pytest.approx(0.02)
+    ident, what, measured, met = fp8_prefill.target(_prefill_records(0.02))
+    assert ident == "fp8 prefill" and "3%" in what and met and "4 of 4 points" in measured
+    assert fp8_prefill.target(_prefill_records(0.05))[3] is False
+    bad = _prefill_records(0.0, equal=False)
+    assert fp8_prefill.target(bad)[3] is False and "NOT bitwise" in fp8_prefill.target(bad)[2]
+    assert fp8_agrees(bad) is False
+    lines = fp8_prefill.summary(_prefill_records(0.02, fp8_kernel="split_k"))
+    assert lines[-1].endswith("-> met") and any("persistent -> split_k" in line for line in lines)
+    assert fp8_prefill.summary([]) == [] and fp8_prefill.target([]) is None
+    assert any(row[0] == "fp8 prefill" for row in targets(_prefill_records()))

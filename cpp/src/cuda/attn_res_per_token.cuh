@@ -121,6 +121,20 @@ __device__ __forceinline__ void push_to_ranks(const float* recv_slot, uint64_t* 
   for (int r = 0; r < ranks; ++r) push_to_rank(recv_slot, bar, value, r);
 }
 
+// The codes of vector `vec` of a token's bf16 output `out`, whose group's amax is `amax`, and the group's scale
+// (stored by the thread owning the group's first vector).
+template <Fp8Mode FP8>
+__device__ __forceinline__ void fp8_store(const PerTokenParams& p, uint4 out, int token, int vec, uint32_t amax) {
+  const float s = fp8_scale(amax, p.fp8_pow2 != 0);
+  *reinterpret_cast<uint2*>(p.output_fp8 + token * p.output_fp8_stride + static_cast<int64_t>(vec) * 8) =
+      fp8_codes8(out, s);
+  if constexpr (FP8 == Fp8Mode::per_token) {
+    if (vec == 0) p.fp8_scales[token * p.fp8_scales_stride[0]] = s;
+  } else {
+    if ((vec & 15) == 0) p.fp8_scales[token * p.fp8_scales_stride[0] + (vec >> 4) * p.fp8_scales_stride[1]] = s;
+  }
+}
+
 // The FP8 epilogue of one token from the bf16 output `out` of this thread's vector `vec` (zeros when the
 // thread owns none): the group amax (per_token: the whole token, across the cluster; block128: 16 vectors,
 // which a block boundary may split when the chunk is not a multiple of 16), the scale, 8 codes per thread, and
@@ -197,16 +211,7 @@ __device__ __forceinline__ void fp8_epilogue(const PerTokenParams& p, uint4 out,
       }
     }
   }
-  const float s = fp8_scale(amax, p.fp8_pow2 != 0);
-  if (valid) {
-    *reinterpret_cast<uint2*>(p.output_fp8 + token * p.output_fp8_stride + static_cast<int64_t>(vec) * 8) =
-        fp8_codes8(out, s);
-    if constexpr (FP8 == Fp8Mode::per_token) {
-      if (vec == 0) p.fp8_scales[token * p.fp8_scales_stride[0]] = s;
-    } else {
-      if ((vec & 15) == 0) p.fp8_scales[token * p.fp8_scales_stride[0] + (vec >> 4) * p.fp8_scales_stride[1]] = s;
-    }
-  }
+  if (valid) fp8_store<FP8>(p, out, token, vec, amax);
 }
 
 // The block size bound of an instance: single_cta is planned for N <= 4 only (buckets 2 and 4, up to 1024

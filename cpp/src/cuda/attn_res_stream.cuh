@@ -1,4 +1,4 @@
-// The streaming single_cta: single_cta with more tokens than SMs (bf16 output, N <= 4, every mode). The grid
+// The streaming single_cta: single_cta with more tokens than SMs (N <= 4, every mode). The grid
 // holds as many blocks as are resident and each loops over the tokens b, b + gridDim.x, ...:
 //
 //   * A thread owns kStreamVectors 16-byte vectors of every row: those of the "lanes" (warp * kStreamVectors +
@@ -28,6 +28,10 @@
 //   * Every shared array is written only after a barrier that follows its last read of the previous token, and a
 //     stream buffer is refilled only by the thread that read it, a token later: the iterations need no barrier
 //     of their own.
+//   * FP8 output (the Fp8Mode instances): single_cta's epilogue (attn_res_per_token.cuh fp8_epilogue) over a
+//     thread's kStreamVectors vectors: per_token, the block's maximum through one more barrier; block128, each
+//     128-column group one half of a 32-vector warp (two warp reductions, no shared memory), which needs groups
+//     aligned with split_k's chunks (a chunk a multiple of 16 vectors: the plan streams block128 only there).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,15 +46,17 @@ namespace attnres::detail {
 
 constexpr int kStreamVectors = tuning::kStreamVectors;
 constexpr int kStreamMaxThreads = kSingleCtaMaxThreads / kStreamVectors;
+static_assert(kChunkThreads % 32 == 0, "a 32-vector warp lies in one chunk (the block128 epilogue's groups)");
 
 // Registers bounded for one block per SM (90-120 at bucket 2, ptxas -v; one 448-thread block at H = 7168): two
 // blocks (64 registers, a few words spilled) measured 10-15 % slower with the addend and 3-5 % at N = 2 without,
 // 5-9 % faster only at N = 1 without (H100, same-run A/B, h100_6dfd1bd_stream_blocks_ab.txt).
-template <int NMAX, Mode MODE, int BUFFERS>
+template <int NMAX, Mode MODE, int BUFFERS, Fp8Mode FP8 = Fp8Mode::none>
 __global__ void __launch_bounds__(kStreamMaxThreads, 1)
     attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {
   constexpr int V = kStreamVectors;
   constexpr bool kNorm = mode_has_norm(MODE);
+  static_assert(kNorm || FP8 == Fp8Mode::none, "attn_res has no normed output to quantize");
   constexpr bool kAdd = mode_has_add(MODE);
   constexpr bool kAdd2 = mode_has_add2(MODE);
   constexpr int kMaxWarps = kSingleCtaMaxThreads / 32;  // split_k's 32-vector warps of one token
@@ -67,6 +73,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads, 1)
   __shared__ float totals[kValues];                // the token's sums
   __shared__ float warp_sq[kMaxWarps];             // the mixture's sum of squares, per 32-vector warp
   __shared__ float block_sq;                       // the token's
+  __shared__ uint32_t fp8_warp_amax[FP8 == Fp8Mode::per_token ? kStreamMaxThreads / 32 : 1];  // per real warp
   extern __shared__ uint4 stream_buffer[];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -266,11 +273,43 @@ __global__ void __launch_bounds__(kStreamMaxThreads, 1)
       if (tid == 0) block_sq = chunked_sum<kMaxWarps, true>(warp_sq, 1, vwarps);
       __syncthreads();
       const float total = block_sq;
+      uint4 out[V];
 #pragma unroll
-      for (int v = 0; v < V; ++v)
-        if (valid[v])
-          store16(p.output + token * p.output_stride + col[v], rms_output8(mix[v], total, p.inv_hidden, p.norm_eps,
-                                                                           norm_w[v]));
+      for (int v = 0; v < V; ++v) {
+        out[v] = make_uint4(0, 0, 0, 0);
+        if (valid[v]) {
+          out[v] = rms_output8(mix[v], total, p.inv_hidden, p.norm_eps, norm_w[v]);
+          store16(p.output + token * p.output_stride + col[v], out[v]);
+        }
+      }
+      if constexpr (FP8 != Fp8Mode::none) {
+        // The group amax: the max of |x|'s bit patterns (order-independent: the bits of single_cta's reduction).
+        uint32_t amax[V];
+#pragma unroll
+        for (int v = 0; v < V; ++v) amax[v] = valid[v] ? amax_bits8(out[v]) : 0u;
+        if constexpr (FP8 == Fp8Mode::per_token) {
+          uint32_t mine = amax[0];
+#pragma unroll
+          for (int v = 1; v < V; ++v) mine = max(mine, amax[v]);
+          mine = warp_max_u32(mine);
+          if (lane == 0) fp8_warp_amax[warp] = mine;
+          __syncthreads();
+          const int warps = static_cast<int>(blockDim.x) >> 5;
+          uint32_t block = 0;
+#pragma unroll
+          for (int i = 0; i < kStreamMaxThreads / 32; ++i) block = max(block, fp8_warp_amax[min(i, warps - 1)]);
+#pragma unroll
+          for (int v = 0; v < V; ++v) amax[v] = block;
+        } else {
+          // Vector v's 32 lanes are 32 consecutive vectors of one chunk from a multiple of 32 (kChunkThreads is a
+          // multiple of 32), so with a chunk of a multiple of 16 vectors each half is one group.
+#pragma unroll
+          for (int v = 0; v < V; ++v) amax[v] = half_warp_max_u32(amax[v], lane);
+        }
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          if (valid[v]) fp8_store<FP8>(p, out[v], token, static_cast<int>(col[v] / 8), amax[v]);
+      }
     }
 
     token = next;
@@ -280,7 +319,7 @@ __global__ void __launch_bounds__(kStreamMaxThreads, 1)
 
 // The instance of single_cta bucket `max_candidates` with `buffers` token buffers (nullptr where none is built:
 // tuning::stream_buffers_built).
-template <Mode M>
+template <Mode M, Fp8Mode F = Fp8Mode::none>
 auto stream_instance(int max_candidates, int buffers) -> void (*)(PerTokenParams) {
   constexpr int kB0 = kCandidateBuckets[0], kB1 = kCandidateBuckets[1];
   static_assert(kB0 == 2 && kB1 == kSingleCtaMaxCandidates, "single_cta's buckets");
@@ -291,20 +330,24 @@ auto stream_instance(int max_candidates, int buffers) -> void (*)(PerTokenParams
                 "the instances below are the ones tuning::stream_buffers_built names");
   if (max_candidates == kB0) {
     switch (buffers) {
-      case 2: return attn_res_stream_kernel<kB0, M, 2>;
-      case 3: return attn_res_stream_kernel<kB0, M, 3>;
-      case 4: return attn_res_stream_kernel<kB0, M, 4>;
+      case 2: return attn_res_stream_kernel<kB0, M, 2, F>;
+      case 3: return attn_res_stream_kernel<kB0, M, 3, F>;
+      case 4: return attn_res_stream_kernel<kB0, M, 4, F>;
       default: return nullptr;
     }
   }
   if (max_candidates == kB1) {
     switch (buffers) {
-      case 2: return attn_res_stream_kernel<kB1, M, 2>;
-      case 3: return attn_res_stream_kernel<kB1, M, 3>;
+      case 2: return attn_res_stream_kernel<kB1, M, 2, F>;
+      case 3: return attn_res_stream_kernel<kB1, M, 3, F>;
       default: return nullptr;
     }
   }
   return nullptr;
 }
+
+// The FP8 instances (the norm modes; nullptr for any other mode or an unbuilt bucket or buffer count), in their
+// own translation unit (cuda/attn_res_stream_fp8_instances.cu).
+auto stream_fp8_instance(Mode mode, Fp8Scales fp8, int max_candidates, int buffers) -> void (*)(PerTokenParams);
 
 }  // namespace attnres::detail

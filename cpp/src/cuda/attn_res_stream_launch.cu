@@ -33,13 +33,18 @@ KernelFn stream_by_mode(Mode mode, int max_candidates, int buffers) {
 
 void launch_attn_res_stream(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const Mode mode = mode_of(op, a);
-  const KernelFn kernel = a.fp8 == Fp8Scales::none ? stream_by_mode(mode, plan.max_candidates, plan.slots) : nullptr;
+  const KernelFn kernel = a.fp8 == Fp8Scales::none ? stream_by_mode(mode, plan.max_candidates, plan.slots)
+                                                  : stream_fp8_instance(mode, a.fp8, plan.max_candidates, plan.slots);
   const PerTokenParams params = make_per_token_params(a, plan);
-  if (kernel == nullptr || plan.cluster != 1 || plan.vectors != kStreamVectors || plan.threads > kStreamMaxThreads ||
+  // block128's groups must align with split_k's chunks (cuda/attn_res_stream.cuh, the FP8 epilogue).
+  const bool groups_align = a.fp8 != Fp8Scales::block128 || params.chunk % 16 == 0;
+  if (kernel == nullptr || !groups_align || plan.cluster != 1 || plan.vectors != kStreamVectors ||
+      plan.threads > kStreamMaxThreads ||
       plan.smem_bytes != tuning::stream_smem_bytes(plan.max_candidates, mode_has_add(mode), mode_has_add2(mode),
                                                    plan.threads, plan.slots))
     throw UnsupportedError(std::string(op_name(op)) + ": no streaming single_cta instance for the plan (N bucket " +
-                           std::to_string(plan.max_candidates) + ", " + std::to_string(plan.slots) + " token buffers, " +
+                           std::to_string(plan.max_candidates) + ", fp8 = " + fp8_scales_name(a.fp8) + ", " +
+                           std::to_string(plan.slots) + " token buffers, " +
                            std::to_string(plan.threads) + " threads, " +
                            std::to_string(plan.smem_bytes) + " bytes of shared memory)");
   const int device = a.layer_residual.device.index;
