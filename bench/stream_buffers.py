@@ -50,7 +50,7 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
         o = _options(n, pdl)
         try:  # a count the N bucket is not built with: recorded as declined
             attnres.plan("attn_res_add_rmsnorm" if add else "attn_res_rmsnorm", tokens=T, candidates=N, hidden=H,
-                         add=add, options=o)
+                         device="cuda", add=add, options=o)
             opts[n] = o
         except attnres.ArgumentError as e:
             declined[n] = str(e)

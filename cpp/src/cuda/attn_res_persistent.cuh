@@ -511,17 +511,23 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
             return *reinterpret_cast<const uint4*>(norm_smem + offset(j));
           }
         };
+        // With FP8 the outputs stay in registers for step 5 where they fit (V <= 4: 16 registers).
+        constexpr bool kKeepOutput = FP8 != Fp8Mode::none && V <= 4;
+        uint4 kept[kKeepOutput ? V : 1];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           if (!valid(j)) continue;
           float m[8];
           unpack8(mixed[j], m);
-          store16(p.output + t * p.output_stride + offset(j) / 2, rms_output8_scaled(m, r, norm_vector(j)));
+          const uint4 out = rms_output8_scaled(m, r, norm_vector(j));
+          store16(p.output + t * p.output_stride + offset(j) / 2, out);
+          if constexpr (kKeepOutput) kept[j] = out;
         }
 
         // ---- 5. FP8: the output's groups (per_token: the token, across the consumer warps; block128: 16
-        // consecutive vectors), then codes and scales. The output vectors are recomputed from the mixture (the
-        // same instructions, the same bits) rather than kept in registers. For a fixed j the 32 lanes of a warp
+        // consecutive vectors), then codes and scales. The output vectors are kept from step 4 (V <= 4) or
+        // recomputed from the mixture (the same instructions, the same bits; V = 8, whose registers are the
+        // scarce resource). For a fixed j the 32 lanes of a warp
         // own 32 consecutive vectors (persistent_layout.hpp owned_vector; vector offset(j) / 16), so when the
         // chunk is a multiple of 16 vectors each 128-column group lies on 16 aligned lanes of one warp (a
         // butterfly); other chunks (H with H / 8 not a multiple of 16 per chunk) let a group straddle two chunks,
@@ -529,6 +535,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         // order-independent. ----
         if constexpr (FP8 != Fp8Mode::none) {
           const auto output_vector = [&](int j) {
+            if constexpr (kKeepOutput) return valid(j) ? kept[j] : make_uint4(0, 0, 0, 0);
             float m[8];
             unpack8(mixed[j], m);
             const uint4 w = kNormInRegisters || valid(j) ? norm_vector(j) : make_uint4(0, 0, 0, 0);
