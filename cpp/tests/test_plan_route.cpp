@@ -77,11 +77,20 @@ TEST(PlanRoute, EveryAcceptedPlanNamesItsRoute) {
                   Route::persistent);
   expect_accepted(attnres::plan(query(kPersistentOp, 1, 9, 7168, true), h200()), KernelKind::persistent,
                   Route::persistent);
-  // FP8: single_cta never streams it (per-token route).
+  // FP8: single_cta streams it too, block128 only where its 128-column groups align with split_k's chunks
+  // (H = 7168: 128 vectors; H = 4608: 116).
   PlanQuery fp8 = query(kAdd, 4096, 2, 7168, true);
-  fp8.fp8 = Fp8Scales::per_token;
+  for (Fp8Scales mode : {Fp8Scales::per_token, Fp8Scales::block128}) {
+    fp8.fp8 = mode;
+    expect_accepted(attnres::plan(fp8, h200(), kernel(KernelKind::single_cta)), KernelKind::single_cta,
+                    Route::stream);
+  }
+  fp8.hidden = 4608;
   expect_accepted(attnres::plan(fp8, h200(), kernel(KernelKind::single_cta)), KernelKind::single_cta,
                   Route::per_token);
+  fp8.fp8 = Fp8Scales::per_token;
+  expect_accepted(attnres::plan(fp8, h200(), kernel(KernelKind::single_cta)), KernelKind::single_cta,
+                  Route::stream);
 }
 
 TEST(PlanRoute, RouteFollowsTheGeometryEverywhere) {
