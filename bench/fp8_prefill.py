@@ -17,6 +17,7 @@ from attnres import fp8 as _fp8
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
+from .grid import measure
 from .peers import calls_per_graph
 from .prefill import addends, function_name, op_bytes
 
@@ -79,13 +80,8 @@ def run_point(op: str, T: int, N: int, H: int, repeats: int) -> list[dict]:
 
 
 def run(quick: bool = False, H: int = H_DEFAULT, progress=None, repeats: int = 25) -> list[dict]:
-    records = []
-    pts = points(quick)
-    for i, (op, T, N) in enumerate(pts):
-        records += run_point(op, T, N, H, repeats)
-        if progress:
-            progress(i + 1, len(pts), f"fp8 prefill {op} T={T} N={N}")
-    return records
+    return measure(points(quick), lambda op, T, N: run_point(op, T, N, H, repeats),
+                   lambda op, T, N: f"fp8 prefill {op} T={T} N={N}", progress)
 
 
 # ------------------------------------------------------------------------------------------- reading records

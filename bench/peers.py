@@ -31,6 +31,7 @@ import attnres
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
+from .grid import copy_rate, measure
 from .persistent import op_bytes
 
 H_DEFAULT = 7168
@@ -169,17 +170,9 @@ def record(suite: str, provider: str, regime: str, T: int, N: int, H: int, sets:
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None,
         repeats: int = 25) -> list[dict]:
-    if copy_tbs is None:
-        from .floors import copy_bandwidth_tbs
-
-        copy_tbs = copy_bandwidth_tbs()
-    records = []
-    pts = points(quick)
-    for i, (T, N) in enumerate(pts):
-        records += run_point(T, N, H, copy_tbs, repeats)
-        if progress:
-            progress(i + 1, len(pts), f"peers T={T} N={N}")
-    return records
+    copy_tbs = copy_rate(copy_tbs)
+    return measure(points(quick), lambda T, N: run_point(T, N, H, copy_tbs, repeats),
+                   lambda T, N: f"peers T={T} N={N}", progress)
 
 
 # ------------------------------------------------------------------------------------------- reading records

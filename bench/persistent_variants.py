@@ -27,6 +27,7 @@ from attnres import _persistent_tuning as tuning
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
+from .grid import copy_rate, measure
 from .persistent import H_DEFAULT, op_bytes
 
 TOKENS = (4096, 16384)
@@ -113,18 +114,10 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
 
 def run(H: int = H_DEFAULT, pdl: bool = True, copy_tbs: float | None = None, progress=None, repeats: int = 25,
         tokens=TOKENS, candidates=CANDIDATES, add: bool = True) -> list[dict]:
-    if copy_tbs is None:
-        from .floors import copy_bandwidth_tbs
-
-        copy_tbs = copy_bandwidth_tbs()
-    records = []
-    pts = points(tokens, candidates, add)
-    for i, (T, N, add) in enumerate(pts):
-        records += run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats)
-        torch.cuda.empty_cache()
-        if progress:
-            progress(i + 1, len(pts), f"persistent variants T={T} N={N}")
-    return records
+    copy_tbs = copy_rate(copy_tbs)
+    return measure(points(tokens, candidates, add),
+                   lambda T, N, add: run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats),
+                   lambda T, N, add: f"persistent variants T={T} N={N}", progress, empty_cache=True)
 
 
 # ------------------------------------------------------------------------------------------- reading records

@@ -21,6 +21,7 @@ import attnres
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
+from .grid import copy_rate, measure
 from .peers import FORCED, call, calls_per_graph, op_name
 
 H_DEFAULT = 7168
@@ -103,17 +104,10 @@ def run_point(op: str, T: int, N: int, H: int, copy_tbs: float, repeats: int, fo
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None, repeats: int = 25,
         tokens=None, candidates=None, forced: bool = False) -> list[dict]:
-    if copy_tbs is None:
-        from .floors import copy_bandwidth_tbs
-
-        copy_tbs = copy_bandwidth_tbs()
-    records = []
-    pts = points(quick, tokens, candidates)
-    for i, (op, T, N) in enumerate(pts):
-        records += run_point(op, T, N, H, copy_tbs, repeats, forced)
-        if progress:
-            progress(i + 1, len(pts), f"prefill {op} T={T} N={N}")
-    return records
+    copy_tbs = copy_rate(copy_tbs)
+    return measure(points(quick, tokens, candidates),
+                   lambda op, T, N: run_point(op, T, N, H, copy_tbs, repeats, forced),
+                   lambda op, T, N: f"prefill {op} T={T} N={N}", progress)
 
 
 # ------------------------------------------------------------------------------------------- reading records

@@ -19,6 +19,7 @@ from attnres.planning import plan_info
 from attnres.bench.timing import capture, rotating_sets, time_interleaved
 from attnres.bench.workloads import EPS, make_sets
 
+from .grid import copy_rate, measure
 from .persistent import H_DEFAULT, op_bytes
 from .persistent_variants import same_bits
 
@@ -86,18 +87,11 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
 
 def run(H: int = H_DEFAULT, pdl: bool = True, copy_tbs: float | None = None, progress=None, repeats: int = 25,
         tokens=TOKENS, candidates=CANDIDATES) -> list[dict]:
-    if copy_tbs is None:
-        from .floors import copy_bandwidth_tbs
-
-        copy_tbs = copy_bandwidth_tbs()
-    records = []
-    pts = points(tokens, candidates)
-    for i, (T, N, add) in enumerate(pts):
-        records += run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats)
-        torch.cuda.empty_cache()
-        if progress:
-            progress(i + 1, len(pts), f"stream buffers T={T} N={N}{'' if add else ' (no addend)'}")
-    return records
+    copy_tbs = copy_rate(copy_tbs)
+    return measure(points(tokens, candidates),
+                   lambda T, N, add: run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats),
+                   lambda T, N, add: f"stream buffers T={T} N={N}{'' if add else ' (no addend)'}", progress,
+                   empty_cache=True)
 
 
 def _records(records):

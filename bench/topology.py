@@ -14,6 +14,7 @@ rule, measured by the peers and decode suites)."""
 
 from __future__ import annotations
 
+from .grid import measure
 from .peers import FORCED, H_DEFAULT, run_point
 
 TOKENS = (128, 256, 512, 1024, 2048, 4096)
@@ -37,13 +38,10 @@ def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, 
         repeats: int = 25, add: bool = True, tokens: tuple[int, ...] | None = None, mix: bool = False) -> list[dict]:
     """copy_tbs: the run's copy rate for the records' pct_copy (None: not recorded). add=False: attn_res_rmsnorm;
     mix: attn_res (with the addend or, add=False, without)."""
-    records = []
-    pts = points(quick, add, tokens)
-    for i, (T, N) in enumerate(pts):
-        records += run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",), add=add, mix=mix)
-        if progress:
-            progress(i + 1, len(pts), f"topology T={T} N={N}{_label(add, mix)}")
-    return records
+    return measure(points(quick, add, tokens),
+                   lambda T, N: run_point(T, N, H, copy_tbs, repeats, suite="topology", regimes=("cold",), add=add,
+                                          mix=mix),
+                   lambda T, N: f"topology T={T} N={N}{_label(add, mix)}", progress)
 
 
 def _add(record: dict) -> bool:
