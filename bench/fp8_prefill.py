@@ -19,7 +19,7 @@ from attnres.bench.workloads import EPS, make_sets
 
 from .grid import measure
 from .peers import calls_per_graph
-from .prefill import addends, function_name, op_bytes
+from .prefill import op_bytes, plan
 
 H_DEFAULT = 7168
 OPS = ("norm", "add", "add2")
@@ -48,11 +48,15 @@ def _call(op: str, s, mode: str | None):
     return lambda: attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, layer_residual_add2=add2, fp8=mode)
 
 
-def _bitwise_ok(op: str, s, mode: str) -> bool:
+def _bf16_output(op: str, s) -> torch.Tensor:
+    bf16 = _call(op, s, None)()
+    return bf16 if op == "norm" else bf16[1]  # attn_res_rmsnorm: the output; else (updated, output)
+
+
+def _bitwise_ok(op: str, s, mode: str, bf16_output: torch.Tensor) -> bool:
+    """The FP8 call's codes and scales = quantize of its output, and its output = the bf16 call's."""
     output, codes, scales = _call(op, s, mode)()[-3:]
     ref_codes, ref_scales = _fp8.quantize(output, mode, False)
-    bf16 = _call(op, s, None)()
-    bf16_output = bf16 if op == "norm" else bf16[1]  # attn_res_rmsnorm: the output; else (updated, output)
     return (torch.equal(codes.view(torch.uint8), ref_codes.view(torch.uint8))
             and torch.equal(scales.contiguous().view(torch.int32), ref_scales.view(torch.int32))
             and torch.equal(output.view(torch.int16), bf16_output.view(torch.int16)))
@@ -66,13 +70,13 @@ def run_point(op: str, T: int, N: int, H: int, repeats: int) -> list[dict]:
     modes = (None, *MODES)
     graphs = {provider(m): (capture([_call(op, sets[i % count], m) for i in range(calls)]), calls) for m in modes}
     timings = time_interleaved(graphs, repeats=repeats)
+    bf16_output = _bf16_output(op, sets[0])
     records = []
     for m in modes:
-        p = attnres.plan(function_name(op), tokens=T, candidates=N, hidden=H, device="cuda", add=addends(op) >= 1,
-                         add2=addends(op) == 2, fp8=m)
+        p = plan(op, T, N, H, fp8=m)
         records.append({"suite": "fp8_prefill", "provider": provider(m), "op": op, "mode": m, "T": T, "N": N,
                         "H": H, "sets": count, "kernel": p.kernel, "route": p.route,
-                        "bitwise_equal": None if m is None else _bitwise_ok(op, sets[0], m),
+                        "bitwise_equal": None if m is None else _bitwise_ok(op, sets[0], m, bf16_output),
                         **timings[provider(m)].as_dict()})
     del graphs, sets
     torch.cuda.empty_cache()

@@ -55,11 +55,12 @@ def points(quick: bool = False, tokens=None, candidates=None) -> list[tuple[str,
     return [(op, T, N) for op in OPS for N in candidates for T in tokens]
 
 
-def plan(op: str, T: int, N: int, H: int, device="cuda", options: attnres.Options | None = None):
-    """The plan of the point's call under `options` (default: the default options)."""
+def plan(op: str, T: int, N: int, H: int, device="cuda", options: attnres.Options | None = None,
+         fp8: str | None = None):
+    """The plan of the point's call under `options` (default: the default options), with the FP8 epilogue `fp8`."""
     a = addends(op)
     return attnres.plan(function_name(op), tokens=T, candidates=N, hidden=H, device=device, add=a >= 1,
-                        add2=a == 2, options=options or attnres.Options())
+                        add2=a == 2, fp8=fp8, options=options or attnres.Options())
 
 
 def providers(op: str, T: int, N: int, H: int, forced: bool, device="cuda") -> dict[str, attnres.Options]:

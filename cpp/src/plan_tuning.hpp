@@ -83,9 +83,10 @@ constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
 }
 // The 16-byte vectors of a row each of its threads owns: the lanes of single_cta's one-block layout per thread.
 constexpr int32_t kStreamVectors = 2;
-// The token buffers: the token being reduced and buffers - 1 being copied. Where a token's DRAM reads are one row
-// (N = 1 without an addend: the prefix alone, 14 KB at H = 7168) one token in flight per SM leaves the copy rate
-// to the DRAM latency; elsewhere two buffers, three having measured no faster (docs/performance.md).
+// The token buffers: the token being reduced and buffers - 1 being copied. Two: three measured no faster on the
+// H200 (docs/performance.md). Three and four are built for `python -m bench stream` (Options::stream_buffers),
+// which asks whether more tokens in flight help where a token reads one row (N = 1 without an addend); not yet
+// measured, so every call takes two.
 constexpr int32_t kStreamBuffers = 2;
 constexpr int32_t kStreamMaxBuffers = 4;
 constexpr int32_t stream_buffers(int64_t candidates, bool add, bool add2) {

@@ -7,8 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import attnres
-from bench import fp8, fp8_prefill
+from bench import fp8, fp8_prefill, prefill
 from bench.cli import SUITES, fp8_agrees
 from bench.cli import main as bench_main
 from bench.targets import targets
@@ -96,8 +95,7 @@ def test_prefill_points_plan_the_fp8_call_on_the_bf16_kernel(op, N):
     target compares."""
     for device in ("h100", "h200"):
         for T in fp8_prefill.TOKENS:
-            plans = [attnres.plan(fp8_prefill.function_name(op), tokens=T, candidates=N, hidden=7168, device=device,
-                                  add=op != "norm", add2=op == "add2", fp8=m) for m in (None, *fp8_prefill.MODES)]
+            plans = [prefill.plan(op, T, N, 7168, device, fp8=m) for m in (None, *fp8_prefill.MODES)]
             assert len({(p.kernel, p.route, p.blocks_per_sm) for p in plans}) == 1, (device, T, plans)
 
 
