@@ -92,6 +92,8 @@ def parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("prefill")
     r.add_argument("--forced", action="store_true",
                    help="prefill: also time every kernel the call can run on, forced, interleaved with the default")
+    r.add_argument("--ops", default=None,
+                   help="prefill: comma-separated ops among mix, norm, add, add2 (default: all four)")
     o = p.add_argument_group("topology")
     o.add_argument("--no-add", action="store_true",
                    help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend "
@@ -173,7 +175,8 @@ def _persistent_step(args) -> common.Step:
 
 
 def _prefill_step(args) -> common.Step:
-    points = {"tokens": common.chain_tokens(args) if args.tokens else None, "candidates": args.candidates_values}
+    points = {"tokens": common.chain_tokens(args) if args.tokens else None, "candidates": args.candidates_values,
+              "ops": tuple(args.ops.split(",")) if args.ops else None}
     return lambda progress, extra: prefill.run(quick=args.quick, copy_tbs=_copy_floor(extra), progress=progress,
                                                repeats=args.repeats, forced=args.forced, **points)
 
@@ -222,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     args.candidates_values = _candidates(args, p) if args.candidates is not None else None
     if args.forced and args.suite != "prefill":
         p.error("--forced applies to the prefill suite only")
+    if args.ops is not None and args.suite != "prefill":
+        p.error("--ops applies to the prefill suite only")
+    if args.ops is not None and (not args.ops or any(op not in prefill.OPS for op in args.ops.split(","))):
+        p.error(f"prefill: --ops must be a comma-separated subset of {','.join(prefill.OPS)}, got {args.ops!r}")
     if args.suite == "prefill" and args.candidates_values and \
             max(args.candidates_values) > (most := attnres._C.limits["max_candidates"]):
         p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")

@@ -9,7 +9,7 @@ The ops, by the bytes they must move per token (`op_bytes`):
   add2  attn_res_add_rmsnorm with two addends (the MoE tail's fold): N + 2 read, two written.
 
 The target (docs/performance.md): the default at >= 90 % of the copy rate at every point. --quick: T = 4096 x
-N = 1, 2, 5, 9, 12, 16; --tokens and --candidates choose other points. --forced also times, interleaved with the
+N = 1, 2, 5, 9, 12, 16; --tokens, --candidates and --ops choose other points. --forced also times, interleaved with the
 default, every kernel the call can run on when forced (peers.FORCED): where the default misses the target, whether
 another kernel would not."""
 
@@ -49,10 +49,11 @@ def op_bytes(op: str, T: int, N: int, H: int) -> int:
     return T * row * (N + a) + T * row * (1 + (1 if a else 0)) + (2 if op == "mix" else 3) * row
 
 
-def points(quick: bool = False, tokens=None, candidates=None) -> list[tuple[str, int, int]]:
+def points(quick: bool = False, tokens=None, candidates=None, ops=None) -> list[tuple[str, int, int]]:
+    """ops: a subset of OPS (default: all of them)."""
     tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
     candidates = candidates or (QUICK_CANDIDATES if quick else CANDIDATES)
-    return [(op, T, N) for op in OPS for N in candidates for T in tokens]
+    return [(op, T, N) for op in (ops or OPS) for N in candidates for T in tokens]
 
 
 def plan(op: str, T: int, N: int, H: int, device="cuda", options: attnres.Options | None = None,
@@ -104,9 +105,9 @@ def run_point(op: str, T: int, N: int, H: int, copy_tbs: float, repeats: int, fo
 
 
 def run(quick: bool = False, H: int = H_DEFAULT, copy_tbs: float | None = None, progress=None, repeats: int = 25,
-        tokens=None, candidates=None, forced: bool = False) -> list[dict]:
+        tokens=None, candidates=None, forced: bool = False, ops=None) -> list[dict]:
     copy_tbs = copy_rate(copy_tbs)
-    return measure(points(quick, tokens, candidates),
+    return measure(points(quick, tokens, candidates, ops),
                    lambda op, T, N: run_point(op, T, N, H, copy_tbs, repeats, forced),
                    lambda op, T, N: f"prefill {op} T={T} N={N}", progress)
 

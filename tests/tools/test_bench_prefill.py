@@ -17,6 +17,7 @@ def test_points():
     assert len(full) == 4 * 3 * 16 and full[0] == ("mix", 1024, 1) and full[-1] == ("add2", 16384, 16)
     assert prefill.points(quick=True) == [(op, 4096, N) for op in prefill.OPS for N in (1, 2, 5, 9, 12, 16)]
     assert prefill.points(tokens=(256,), candidates=(3,)) == [(op, 256, 3) for op in prefill.OPS]
+    assert prefill.points(tokens=(256, 1024), candidates=(3,), ops=("add2",)) == [("add2", 256, 3), ("add2", 1024, 3)]
 
 
 def test_bytes_per_op():
@@ -83,6 +84,9 @@ def test_cli(capsys):
     for argv, message in ((["prefill", "--candidates", "17"], "prefill: --candidates must be <= 16"),
                           (["prefill", "--candidates", "0"], "--candidates must be"),
                           (["topology", "--forced"], "--forced applies to the prefill suite only"),
+                          (["topology", "--ops", "add2"], "--ops applies to the prefill suite only"),
+                          (["prefill", "--ops", "add,add3"], "--ops must be a comma-separated subset"),
+                          (["prefill", "--ops", ""], "--ops must be a comma-separated subset"),
                           (["tune", "--candidates", "2"],
                            "--candidates applies to persistent --variants, prefill and stream")):
         with pytest.raises(SystemExit) as exc:
