@@ -152,6 +152,9 @@ bool automatic_streams(const PlanQuery& q, const DeviceInfo& dev, const Options&
          stream_smem_bytes(q, dev, o) > 0;
 }
 
+// The rows the persistent kernel streams per token: K bank rows, the prefix, the addends.
+int64_t persistent_rows(const PlanQuery& q) { return q.candidates + (q.add ? 1 : 0) + (q.add2 ? 1 : 0); }
+
 // The blocks per SM of the persistent plan for the call: the knob when set, else two wherever that geometry
 // exists (persistent::two_blocks_fit) and also honours the other knobs (a slot count that fits half the SM, one
 // pass when forced), else one. A function of H, the device and the knobs (and N only for a forced single
@@ -163,8 +166,7 @@ int32_t persistent_blocks_per_sm(const PlanQuery& q, const DeviceInfo& dev, cons
   const int32_t fit = persistent::max_slots(persistent::block_budget(optin, 2), q.candidates, q.hidden);
   if (o.persistent_slots > fit) return 1;
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
-  const int64_t rows = q.candidates + (q.add ? 1 : 0);
-  if (o.persistent_passes == 1 && slots < rows) return 1;
+  if (o.persistent_passes == 1 && slots < persistent_rows(q)) return 1;
   return 2;
 }
 
@@ -181,7 +183,7 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
            tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden, q.add,
                                                  persistent_blocks_per_sm(q, dev, o) == 2,
                                                  tuning::topology_grid(dev.name)) &&
-           persistent_decline(q).empty();
+           persistent_decline(q).empty() && !q.add2;  // two addends: not measured against split_k yet
   return false;
 }
 
@@ -190,9 +192,6 @@ std::string persistent_decline(const PlanQuery& q) {
   if (q.op == AttnResOp::attn_res && q.diagnostics)
     return "the persistent kernel does not emit the fp32 diagnostics: attn_res with diagnostics runs on the "
            "per-token kernels";
-  if (q.add2)
-    return "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
-           "layer_residual_add2 and call the one-addend op";
   if (q.tap) return "the persistent kernel does not emit the pre-norm mixture tap";
   return {};
 }
@@ -204,7 +203,7 @@ std::string persistent_decline(const PlanQuery& q) {
 // tuning knobs (Options::persistent_*) change only the ring, the passes and the blocks per SM, never a bit.
 Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   const int64_t H = q.hidden;
-  const int64_t rows = q.candidates + (q.add ? 1 : 0);  // rows streamed per token: K bank rows, prefix, addend
+  const int64_t rows = persistent_rows(q);
   const int32_t threads = persistent::consumer_threads(H) + persistent::kProducerThreads;
   const int32_t per_sm = persistent_blocks_per_sm(q, dev, o);
   if (per_sm > 1 && threads > persistent::kTwoBlocksMaxThreads)
@@ -214,17 +213,18 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
                     std::to_string(H) + " takes " + std::to_string(threads));
   const int64_t budget = persistent::block_budget(dev.shared_memory_per_block_optin, per_sm);
   const int32_t fit = persistent::max_slots(budget, q.candidates, H);
-  if (fit < tuning::kPersistentMinSlots)
+  const int32_t least = tuning::persistent_min_slots(q.add2);
+  if (fit < least)
     return declined(DeclineCode::persistent_shared_memory, "the persistent kernel needs " +
-                    std::to_string(persistent::smem_bytes(tuning::kPersistentMinSlots, q.candidates, H)) +
+                    std::to_string(persistent::smem_bytes(least, q.candidates, H)) +
                     " bytes of shared memory per block for H = " + std::to_string(H) + " (" +
-                    std::to_string(tuning::kPersistentMinSlots) + " row slots); " + device_name(dev.device) +
+                    std::to_string(least) + " row slots); " + device_name(dev.device) +
                     " offers " + std::to_string(budget) +
                     (per_sm > 1 ? " per block at " + std::to_string(per_sm) + " blocks per SM" : std::string()));
-  if (o.persistent_slots > 0 && (o.persistent_slots < tuning::kPersistentMinSlots || o.persistent_slots > fit))
+  if (o.persistent_slots > 0 && (o.persistent_slots < least || o.persistent_slots > fit))
     return declined(DeclineCode::persistent_slots,
                     "persistent_slots = " + std::to_string(o.persistent_slots) + ": H = " + std::to_string(H) +
-                    " fits " + std::to_string(tuning::kPersistentMinSlots) + " to " + std::to_string(fit) +
+                    " fits " + std::to_string(least) + " to " + std::to_string(fit) +
                     " row slots in " + std::to_string(budget) + " bytes per block");
   const int32_t slots = o.persistent_slots > 0 ? o.persistent_slots : fit;
   // One pass needs a slot per row of a token; the automatic choice also wants the spare slots of the geometry.

@@ -42,8 +42,10 @@ constexpr int32_t candidate_bucket(int64_t n) {
 // a spare slot where both fit (bench_results/h100_f7e65a6_persistent_slots_ab.json). One block per SM: one spare
 // slot (no other block to stream; one pass without a spare is not measured there).
 constexpr int64_t persistent_one_pass_spare_slots(int32_t blocks_per_sm) { return blocks_per_sm >= 2 ? 0 : 1; }
-// Slots two passes need: they hold at most the prefix and the addend at once; with fewer the plan declines.
+// Slots two passes need: they hold at most the prefix and the addends at once (two with one addend or none,
+// three with two); with fewer the plan declines.
 constexpr int32_t kPersistentMinSlots = 2;
+constexpr int32_t persistent_min_slots(bool add2) { return add2 ? kPersistentMinSlots + 1 : kPersistentMinSlots; }
 
 // Grid x is T * cluster blocks (< 2^31).
 constexpr int64_t kMaxTokensPerLaunch = int64_t{1} << 26;

@@ -278,9 +278,9 @@ TEST(PlanCuda, SplitKDefaultClusterScalesWithHidden) {
   }
 }
 
-// The persistent topology streams whole tokens: it declines add2 and the tap on every device, so callers
-// materialize add + add2 first the same way everywhere (the CPU included); it writes the snapshot row.
-TEST(PlanTopology, PersistentDeclinesAdd2AndTapOnEveryDevice) {
+// The persistent topology streams whole tokens: it declines the tap on every device; it takes one addend or two
+// (the second streamed as one more row) and writes the snapshot row.
+TEST(PlanTopology, PersistentDeclinesTheTapOnEveryDevice) {
   Options o;
   o.topology = Topology::persistent;
   for (const DeviceInfo& dev : {cpu_device(), h200(), a100(), h200_without_backend()}) {
@@ -288,10 +288,10 @@ TEST(PlanTopology, PersistentDeclinesAdd2AndTapOnEveryDevice) {
     PlanQuery q = query(AttnResOp::attn_res_add_rmsnorm, 64, 5, 7168);
     q.add2 = true;
     Plan p = attnres::plan(q, dev, o);
-    EXPECT_FALSE(p.accepted());
-    EXPECT_EQ(p.decline,
-              "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
-              "layer_residual_add2 and call the one-addend op");
+    EXPECT_NE(p.decline_code, attnres::DeclineCode::persistent_unsupported_feature) << p.decline;
+    if (dev.cuda_backend && dev.cc_major >= 9) {
+      EXPECT_EQ(p.kernel, KernelKind::persistent);
+    }
     q.add2 = false;
     q.tap = true;
     EXPECT_EQ(attnres::plan(q, dev, o).decline, "the persistent kernel does not emit the pre-norm mixture tap");
@@ -311,8 +311,8 @@ TEST(PlanTopology, PersistentDeclinesAdd2AndTapOnEveryDevice) {
     Options forced;
     forced.kernel = KernelKind::persistent;
     q.snapshot = false;
-    q.add2 = true;
-    EXPECT_TRUE(contains(attnres::plan(q, dev, forced).decline, "declines layer_residual_add2"));
+    q.tap = true;
+    EXPECT_TRUE(contains(attnres::plan(q, dev, forced).decline, "does not emit the pre-norm mixture tap"));
   }
 }
 
@@ -335,8 +335,8 @@ TEST(PlanTopology, AttnResStaysPerToken) {
   EXPECT_NE(p.kernel, KernelKind::persistent);
 }
 
-// split: per-token kernels up to split_max_tokens tokens, the persistent route above (seen through its add2
-// decline, which holds on every device).
+// split: per-token kernels up to split_max_tokens tokens, the persistent route above (seen through its decline
+// of the tap, which holds on every device).
 TEST(PlanTopology, SplitRoutesByTokenCount) {
   for (int64_t ceiling : {0, 1, 32, 100}) {
     Options o;
@@ -345,14 +345,15 @@ TEST(PlanTopology, SplitRoutesByTokenCount) {
     for (int64_t T : {int64_t{1}, ceiling, ceiling + 1, 4 * ceiling + 7}) {
       if (T < 1) continue;
       PlanQuery q = query(AttnResOp::attn_res_add_rmsnorm, T, 3, 7168);
-      q.add2 = true;
+      q.tap = true;
       for (const DeviceInfo& dev : {h200(), cpu_device()}) {
         const Plan p = attnres::plan(q, dev, o);
         if (T <= ceiling) {
           ASSERT_TRUE(p.accepted()) << "T=" << T << " ceiling=" << ceiling << ": " << p.decline;
           EXPECT_EQ(p.kernel, dev.device.type == DeviceType::cpu ? KernelKind::cpu : automatic_kernel(T, 3, 7168));
         } else {
-          EXPECT_TRUE(contains(p.decline, "declines layer_residual_add2")) << "T=" << T << " ceiling=" << ceiling;
+          EXPECT_TRUE(contains(p.decline, "does not emit the pre-norm mixture tap")) << "T=" << T << " ceiling="
+                                                                                     << ceiling;
         }
       }
     }

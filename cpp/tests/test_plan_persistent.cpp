@@ -207,13 +207,13 @@ TEST(PlanPersistent, Routing) {
   EXPECT_FALSE(attnres::plan(diag, h200(), forced).accepted());
 }
 
-// The persistent route declines add2, the tap and the snapshot write before looking at the device (the
-// caller's materialize-first path is the same everywhere); and the device checks still apply after.
+// The persistent route declines the tap before looking at the device (the same everywhere); and the device
+// checks still apply after.
 TEST(PlanPersistent, DeclinesBeforeTheDeviceAndDeviceRulesAfter) {
   PlanQuery q = query(AttnResOp::attn_res_add_rmsnorm, 5000, 9, 7168, true);
-  q.add2 = true;
-  EXPECT_TRUE(contains(attnres::plan(q, h200(), persistent_topology()).decline, "declines layer_residual_add2"));
-  q.add2 = false;
+  q.tap = true;
+  EXPECT_TRUE(contains(attnres::plan(q, h200(), persistent_topology()).decline, "pre-norm mixture tap"));
+  q.tap = false;
   DeviceInfo old = h200();
   old.cc_major = 8;
   EXPECT_TRUE(contains(attnres::plan(q, old, persistent_topology()).decline, "need 9.0 (Hopper) or newer"));

@@ -147,11 +147,11 @@ TEST(PlanDeclineCode, EveryReasonHasItsCode) {
   b.fp8 = Fp8Scales::block128;
   expect_declined(attnres::plan(b, h200()), DeclineCode::fp8_block128_hidden);
 
-  PlanQuery add2 = query(kAdd, 64, 5, 7168, true);
-  add2.add2 = true;
+  PlanQuery tap = query(kAdd, 64, 5, 7168, true);
+  tap.tap = true;
   for (const DeviceInfo& dev : {cpu_device(), h200()})
-    expect_declined(attnres::plan(add2, dev, topology(Topology::persistent)),
-                    DeclineCode::persistent_unsupported_feature, "layer_residual_add2");
+    expect_declined(attnres::plan(tap, dev, topology(Topology::persistent)),
+                    DeclineCode::persistent_unsupported_feature, "pre-norm mixture tap");
   expect_declined(attnres::plan(query(AttnResOp::attn_res, 4, 3, 64), h200(), kernel(KernelKind::persistent)),
                   DeclineCode::persistent_unsupported_feature, "fp32 diagnostics");
 

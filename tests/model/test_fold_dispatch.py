@@ -111,27 +111,24 @@ def test_window_zero_never_folds(device):
 
 # ------------------------------------------------------------------------------------------------ persistent
 @pytest.mark.parametrize("topology,T", [("persistent", 1), ("persistent", 16), ("split", 40)])
-def test_persistent_topology_declines_add2_and_the_caller_adds_first(device, topology, T):
+def test_persistent_topology_folds_the_tail(device, topology, T):
+    """The persistent kernel streams the second addend as one more row: the fold runs on it (where the unfused
+    site does), with the bits of the materialized tail then the site."""
     settings = ResidualSettings(fold=True, topology=topology, max_tokens=32)
     k = 5
     bank, w, tail = make_case(T, k, device, seed=9 + T)
     plan = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=k + 1, hidden=H, device=device, add=True,
                         add2=True, options=settings.options)
-    assert not plan.accepted and "layer_residual_add2" in plan.decline
-    route, result = try_fold(tail, bank, k, w, settings)
-    assert result is None and (route.path, route.reason) == (R.MATERIALIZE, R.TOPOLOGY)
-    # The reason carries the plan's own answer: the add2 decline, or (where the build has no persistent kernel
-    # yet) the decline of the unfused site itself.
     base = attnres.plan("attn_res_rmsnorm", tokens=T, candidates=k + 1, hidden=H, device=device,
                         options=settings.options)
-    assert route.detail == (plan.decline if base.accepted else base.decline)
+    assert plan.accepted == base.accepted and plan.kernel == base.kernel, (plan, base)
     record = PathRecord()
     got = attn_res_site(tail, bank, k, w, settings, site="s", record=record)
+    assert record.entries[0].path == (R.FUSED_ADD2 if base.accepted else R.MATERIALIZE), record.entries
     P = tail.prefix + (tail.routed + tail.shared)
     assert torch.equal(got.prefix, P)
     unchanged = attn_res_site(P, bank, k, w, settings)  # the fold-off chain's site
     assert torch.equal(got.output, unchanged.output)
-    assert record.entries[0].path == R.MATERIALIZE and record.entries[1].path == unchanged.route.path
 
 
 def test_persistent_topology_still_runs_one_addend_sites(device):

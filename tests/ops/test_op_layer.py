@@ -425,9 +425,9 @@ def test_library_errors_are_caught_by_the_base_class():
     t = _inputs()
     with pytest.raises(attnres.AttnResError) as u:
         attnres.attn_res_add_rmsnorm(t["lr"], t["add"], t["bank"][:K], t["res_w"], t["rms_w"], t["norm_w"], *EPS,
-                                     layer_residual_add2=t["add2"], options=attnres.Options(topology="persistent"))
+                                     return_mixture=True, options=attnres.Options(topology="persistent"))
     assert type(u.value) is attnres.UnsupportedError
-    assert str(u.value).startswith("attn_res_add_rmsnorm: the persistent kernel declines layer_residual_add2: ")
+    assert str(u.value).startswith("attn_res_add_rmsnorm: the persistent kernel does not emit the pre-norm mixture tap")
 
 
 def test_traceback_names_attnres_argument_error():

@@ -16,8 +16,6 @@ from helpers import max_cluster_python
 
 OPS = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
 FAST_H = (2304, 4096, 7168, 8192)
-PERSISTENT_ADD2 = ("the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
-                   "layer_residual_add2 and call the one-addend op")
 PERSISTENT_TAP = "the persistent kernel does not emit the pre-norm mixture tap"
 ATTN_RES_NOT_PERSISTENT = ("the persistent kernel does not emit the fp32 diagnostics: attn_res with diagnostics "
                            "runs on the per-token kernels")
@@ -82,20 +80,19 @@ def test_cuda_device_without_the_backend_is_declined():
 @pytest.mark.parametrize("options", [attnres.Options(topology="persistent"), attnres.Options(kernel="persistent"),
                                      attnres.Options(topology="split", split_max_tokens=4)],
                          ids=["topology_persistent", "kernel_persistent", "split_above_ceiling"])
-def test_persistent_routing_declines_add2_and_tap_and_takes_the_snapshot(options, device):
-    """The persistent route declines add2 and the tap on every device (the same decline on the CPU, so callers
-    materialize first everywhere); it writes the snapshot row, and runs attn_res without the fp32 diagnostics."""
+def test_persistent_routing_declines_the_tap_and_takes_two_addends_and_the_snapshot(options, device):
+    """The persistent route declines the tap on every device (the same decline on the CPU); it takes one addend or
+    two, writes the snapshot row, and runs attn_res without the fp32 diagnostics."""
     for dev in _devices_without_a_gpu_needed(device):
         base = dict(tokens=5, candidates=9, hidden=7168, device=dev, options=options)
-        p = attnres.plan("attn_res_add_rmsnorm", add=True, add2=True, **base)
-        assert p.decline == PERSISTENT_ADD2, (dev, p)
         p = attnres.plan("attn_res_add_rmsnorm", add=True, tap=True, **base)
         assert p.decline == PERSISTENT_TAP, (dev, p)
         p = attnres.plan("attn_res_rmsnorm", tap=True, **base)
         assert p.decline == PERSISTENT_TAP, (dev, p)
         accepted = "cpu" if dev == "cpu" else "persistent"
-        for op, flags in (("attn_res_add_rmsnorm", {"add": True}), ("attn_res_rmsnorm", {}), ("attn_res", {}),
-                          ("attn_res", {"add": True})):
+        for op, flags in (("attn_res_add_rmsnorm", {"add": True}), ("attn_res_add_rmsnorm", {"add": True, "add2": True}),
+                          ("attn_res_rmsnorm", {}), ("attn_res", {}), ("attn_res", {"add": True}),
+                          ("attn_res", {"add": True, "add2": True})):
             p = attnres.plan(op, snapshot=True, **flags, **base)
             if dev == "cpu" and options.kernel == "persistent":
                 assert p.decline == "kernel persistent runs on CUDA devices; the tensors are on cpu", (dev, op, p)
@@ -108,14 +105,15 @@ def test_persistent_routing_declines_add2_and_tap_and_takes_the_snapshot(options
             assert p.accepted and p.kernel != "persistent", (dev, p)
 
 
-def test_persistent_op_declines_add2_on_every_device(device):
-    """The persistent op routes to the persistent kernel whatever the options say."""
+def test_persistent_op_routes_to_the_persistent_kernel_on_every_device(device):
+    """The persistent op routes to the persistent kernel whatever the options say (seen through its decline of the
+    tap)."""
     for dev in _devices_without_a_gpu_needed(device):
         for options in (None, attnres.Options(), attnres.Options(topology="split", split_max_tokens=64),
                         attnres.Options(kernel="split_k")):
             p = attnres.plan("attn_res_add_rmsnorm_persistent", tokens=1, candidates=9, hidden=7168, device=dev,
-                             add=True, add2=True, options=options)
-            assert p.decline == PERSISTENT_ADD2, (dev, options, p)
+                             add=True, tap=True, options=options)
+            assert p.decline == PERSISTENT_TAP, (dev, options, p)
 
 
 def test_split_topology_routes_by_token_count(device):
@@ -126,13 +124,11 @@ def test_split_topology_routes_by_token_count(device):
         assert p.accepted, (T, p)
         if device == "cuda":
             assert p.kernel in ("single_cta", "split_k"), (T, p)
-    for T in (9, 64, 4096):  # above: the persistent path
-        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
-                         add2=True, options=opts)
-        assert p.decline == PERSISTENT_ADD2, (T, p)
-        p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
-                         options=opts)
-        assert p.kernel == ("cpu" if device == "cpu" else "persistent"), (T, p)
+    for T in (9, 64, 4096):  # above: the persistent path, with one addend or two
+        for add2 in (False, True):
+            p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=9, hidden=7168, device=device, add=True,
+                             add2=add2, options=opts)
+            assert p.kernel == ("cpu" if device == "cpu" else "persistent"), (T, add2, p)
 
 
 def test_default_split_ceiling_is_the_measured_crossover(device):
@@ -155,9 +151,9 @@ def test_default_split_ceiling_is_the_measured_crossover(device):
 
 
 def test_split_ceiling_zero_sends_every_call_to_persistent(device):
-    p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=3, hidden=64, device=device, add=True, add2=True,
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=1, candidates=3, hidden=64, device=device, add=True, tap=True,
                      options=attnres.Options(topology="split", split_max_tokens=0))
-    assert p.decline == PERSISTENT_ADD2
+    assert p.decline == PERSISTENT_TAP
 
 
 def test_attn_res_never_routes_to_persistent(device):
@@ -333,9 +329,14 @@ def test_plan_names_its_route_and_decline_code():
     p = attnres.plan("attn_res_add_rmsnorm", tokens=4096, **base)
     assert (p.kernel, p.route) == ("persistent", "persistent"), p
     assert attnres.plan("attn_res_add_rmsnorm", tokens=4, candidates=3, hidden=64, add=True).route == "cpu"
+    p = attnres.plan("attn_res_add_rmsnorm", tokens=4096, tap=True, options=attnres.Options(topology="persistent"),
+                     **base)
+    assert (p.route, p.decline_code, p.decline) == ("none", "persistent_unsupported_feature", PERSISTENT_TAP), p
     p = attnres.plan("attn_res_add_rmsnorm", tokens=4096, add2=True, options=attnres.Options(topology="persistent"),
                      **base)
-    assert (p.route, p.decline_code, p.decline) == ("none", "persistent_unsupported_feature", PERSISTENT_ADD2), p
+    assert (p.kernel, p.route) == ("persistent", "persistent"), p
+    # Two addends on the automatic topology stay per-token (not yet measured against split_k).
+    assert attnres.plan("attn_res_add_rmsnorm", tokens=4096, add2=True, **base).route == "per_token"
     p = attnres.plan("attn_res", tokens=0, candidates=2, hidden=64)
     assert (p.route, p.decline_code) == ("none", "bad_shape"), p
     # The names are the binding's enum names.
@@ -449,3 +450,17 @@ def test_plan_other_argument_errors():
     with pytest.raises(attnres.ArgumentError,
                        match=r"^attnres.plan: options must be an attnres.Options \(anything with to_c\(\)\) or None"):
         attnres.plan("attn_res", tokens=1, candidates=2, hidden=64, options={"topology": "persistent"})
+
+
+def test_two_addends_need_three_ring_slots():
+    """Two passes hold the prefix and both addends at once: with two addends the ring needs three slots."""
+    from attnres import _persistent_tuning as tuning
+
+    def plan(slots, add2):
+        return attnres.plan("attn_res_add_rmsnorm", tokens=4096, candidates=9, hidden=7168, device="h200", add=True,
+                            add2=add2, options=tuning.Variant("ring", slots=slots, passes=2).options())
+    assert plan(2, False).accepted
+    p = plan(2, True)
+    assert (p.accepted, p.decline_code) == (False, "persistent_slots") and " fits 3 to " in p.decline, p
+    p = plan(3, True)
+    assert p.accepted and (p.kernel, p.slots, p.passes) == ("persistent", 3, 2), p

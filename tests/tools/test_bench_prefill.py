@@ -44,12 +44,12 @@ def _rec(op: str, T: int, N: int, pct: float, us: float = 100.0, provider: str =
 
 def test_forced_providers():
     """--forced: every kernel the plan accepts for the call when forced (single_cta only up to N = 4; the
-    persistent kernel declines two addends)."""
+    persistent kernel with two addends too)."""
     assert list(prefill.providers("add2", 4096, 9, 7168, False, device="h100")) == ["attnres/default"]
     assert list(prefill.providers("norm", 4096, 3, 7168, True, device="h100")) == [
         "attnres/default", "attnres/split_k", "attnres/single_cta", "attnres/persistent"]
     assert list(prefill.providers("add2", 4096, 9, 7168, True, device="h100")) == [
-        "attnres/default", "attnres/split_k"]
+        "attnres/default", "attnres/split_k", "attnres/persistent"]
 
 
 def test_forced_kernels_in_the_readers():

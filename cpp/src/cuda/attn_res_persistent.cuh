@@ -77,7 +77,8 @@ namespace attnres::detail {
 
 struct PersistentParams {
   const __nv_bfloat16* layer_residual;
-  const __nv_bfloat16* add;  // nullptr without an addend
+  const __nv_bfloat16* add;   // nullptr without an addend
+  const __nv_bfloat16* add2;  // nullptr without a second addend
   const __nv_bfloat16* bank;
   const __nv_bfloat16* res_weight;
   const __nv_bfloat16* rms_weight;
@@ -85,7 +86,7 @@ struct PersistentParams {
   __nv_bfloat16* output;
   __nv_bfloat16* updated;  // nullptr without an addend
   __nv_bfloat16* snapshot; // bank row `snapshot_slot` of token 0 (token stride bank_token_stride); nullptr: none
-  int64_t lr_stride, add_stride, bank_snapshot_stride, bank_token_stride, output_stride, updated_stride;
+  int64_t lr_stride, add_stride, add2_stride, bank_snapshot_stride, bank_token_stride, output_stride, updated_stride;
   int32_t tokens;     // T
   int32_t snapshots;  // K (N = K + 1)
   int32_t vectors;    // H / 8
@@ -173,9 +174,9 @@ struct RingCursor {
 };
 
 // The producer warp: streams the rows of every token of this block (twice per token in two-pass mode).
-__device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has_add, uint32_t full0, uint32_t empty0,
+__device__ __forceinline__ void produce_rows(const PersistentParams& p, int adds, uint32_t full0, uint32_t empty0,
                                              uint32_t ring, int lane) {
-  const int K = p.snapshots, rows = K + 1 + (has_add ? 1 : 0);
+  const int K = p.snapshots, rows = K + 1 + adds;
   RingCursor cur;
   bool waited = false;
   int issued = 0;  // before the wait: copies issued, all into slots never used yet
@@ -184,7 +185,9 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
       for (int r = 0; r < rows; ++r) {
         const __nv_bfloat16* src =
             r < K ? p.bank + t * p.bank_token_stride + r * p.bank_snapshot_stride
-                  : (r == K ? p.layer_residual + t * p.lr_stride : p.add + t * p.add_stride);
+                  : (r == K       ? p.layer_residual + t * p.lr_stride
+                     : r == K + 1 ? p.add + t * p.add_stride
+                                  : p.add2 + t * p.add2_stride);
         // Bank rows 0..K-2 may be read before the grid dependency resolves; the newest row K-1 (the previous
         // call may have written it as its snapshot), the prefix and the addend only after. Before it, only
         // into fresh slots: a wait for a released slot would wait on consumers that are themselves waiting
@@ -212,23 +215,45 @@ __device__ __forceinline__ void produce_rows(const PersistentParams& p, bool has
   }
 }
 
-// P for this thread's vector: the prefix, or bf16(prefix + add) through a non-flushing fp32 add.
-template <bool ADD>
-__device__ __forceinline__ uint4 prefix_vector(const unsigned char* prefix_row, const unsigned char* add_row,
-                                               uint32_t offset) {
-  const uint4 pre = *reinterpret_cast<const uint4*>(prefix_row + offset);
-  if constexpr (!ADD) {
+// P for this thread's vector: the prefix, or the per-token kernels' update with ADDS addends (attn_res_steps.cuh
+// add_to_prefix: bf16(prefix + add), or bf16(prefix + bf16(add + add2)), non-flushing fp32 adds).
+template <int ADDS>
+__device__ __forceinline__ uint4 prefix_vector(const unsigned char* const (&rows)[3], uint32_t offset) {
+  const uint4 pre = *reinterpret_cast<const uint4*>(rows[0] + offset);
+  if constexpr (ADDS == 0) {
     return pre;
   } else {
-    const uint4 add = *reinterpret_cast<const uint4*>(add_row + offset);
-    float a[8], b[8];
-    unpack8(pre, a);
-    unpack8(add, b);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a[e] = add_rn_keep_subnormals(a[e], b[e]);
-    return pack8(a);
+    const uint4 add = *reinterpret_cast<const uint4*>(rows[1] + offset);
+    const uint4 add2 = ADDS == 2 ? *reinterpret_cast<const uint4*>(rows[2] + offset) : make_uint4(0, 0, 0, 0);
+    return add_to_prefix<ADDS == 2 ? Mode::add2 : Mode::add>(pre, add, add2);
   }
 }
+
+// The token's last 1 + ADDS rows (the prefix, then the addends) from `cur` on: their cursors (`cur` advanced past
+// them) and slot addresses.
+template <int ADDS>
+struct TailRows {
+  RingCursor at[1 + ADDS];
+  const unsigned char* rows[3];
+  __device__ __forceinline__ TailRows(RingCursor& cur, uint32_t slots, const unsigned char* ring, uint32_t slot_bytes) {
+#pragma unroll
+    for (int i = 0; i < 3; ++i) {
+      if (i <= ADDS) {
+        at[i] = cur;
+        cur.advance(slots);
+      }
+      rows[i] = ring + at[i <= ADDS ? i : 0].slot * slot_bytes;
+    }
+  }
+  __device__ __forceinline__ void wait(uint32_t full0) const {
+#pragma unroll
+    for (int i = 0; i <= ADDS; ++i) wait_parity(full0 + 8 * at[i].slot, at[i].phase);
+  }
+  __device__ __forceinline__ void release(uint32_t empty0) const {
+#pragma unroll
+    for (int i = 0; i <= ADDS; ++i) mbarrier_arrive(empty0 + 8 * at[i].slot);
+  }
+};
 
 // A thread's V vectors get vector_scores chains of their own (device_utils.cuh): V independent chains instead of
 // one 8V long, which is the latency a row's scoring costs; this sums them.
@@ -273,11 +298,12 @@ __device__ __forceinline__ float chunked_sum(const float* base, int stride, int 
   return s;
 }
 
-// V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADD: one addend (writes `updated`); FP8: the e4m3
+// V: 16-byte vectors per consumer thread (1, 2, 4 or 8); ADDS: the addends, 0, 1 or 2 (with any, writes `updated`:
+// bf16(prefix + add), or bf16(prefix + bf16(add + add2))); FP8: the e4m3
 // epilogue (step 5), a compile-time variant; BLOCKS_PER_SM: 1, or 2 for the tuning knob's instances (at most
 // kTwoBlocksMaxThreads threads, registers capped so that two blocks are resident; the same code, the same bits);
 // NORM: the trailing norm (false: attn_res's output, the mixture; no FP8 epilogue).
-template <int V, bool ADD, Fp8Mode FP8 = Fp8Mode::none, int BLOCKS_PER_SM = 1, bool NORM = true>
+template <int V, int ADDS, Fp8Mode FP8 = Fp8Mode::none, int BLOCKS_PER_SM = 1, bool NORM = true>
 __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads : persistent::kTwoBlocksMaxThreads,
                                   BLOCKS_PER_SM)
     attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {
@@ -310,7 +336,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
   __syncthreads();
 
   if (warp == consumer_warps) {
-    produce_rows(p, ADD, full0, empty0, ring, lane);
+    produce_rows(p, ADDS, full0, empty0, ring, lane);
   } else if (warp < consumer_warps) {
     // ---- once per block, before the grid dependency: q = rms_weight * res_weight (fp32, never rounded) and
     // the norm weight, for this thread's vectors (below) ----
@@ -369,22 +395,13 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         cur.advance(S);
       }
       {
-        const RingCursor pre = cur;
-        cur.advance(S);
-        RingCursor add = pre;
-        if constexpr (ADD) {
-          add = cur;
-          cur.advance(S);
-        }
-        wait_parity(full0 + 8 * pre.slot, pre.phase);
-        if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
-        const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
-        const unsigned char* add_row = ring_ptr + add.slot * p.slot_bytes;
+        const TailRows<ADDS> tail(cur, S, ring_ptr, p.slot_bytes);
+        tail.wait(full0);
         float ssj[V], dotj[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const uint4 P = valid(j) ? prefix_vector<ADD>(pre_row, add_row, offset(j)) : make_uint4(0, 0, 0, 0);
-          if constexpr (ADD) {
+          const uint4 P = valid(j) ? prefix_vector<ADDS>(tail.rows, offset(j)) : make_uint4(0, 0, 0, 0);
+          if constexpr (ADDS > 0) {
             if (valid(j)) store16(p.updated + t * p.updated_stride + offset(j) / 2, P);
           }
           if (valid(j) && p.snapshot) store16(p.snapshot + t * p.bank_token_stride + offset(j) / 2, P);
@@ -393,10 +410,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         store_warp_partials<V>(ssj, dotj, partials + K * consumer_warps * 2, warp, lane);
         if (two_pass) {
           __syncwarp();
-          if (lane == 0) {
-            mbarrier_arrive(empty0 + 8 * pre.slot);
-            if constexpr (ADD) mbarrier_arrive(empty0 + 8 * add.slot);
-          }
+          if (lane == 0) tail.release(empty0);
         }
       }
       consumer_barrier(C);
@@ -444,32 +458,18 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         mix.advance(S);
       }
       {
-        const RingCursor pre = mix;
-        mix.advance(S);
-        RingCursor add = pre;
-        if constexpr (ADD) {
-          add = mix;
-          mix.advance(S);
-        }
-        if (two_pass) {
-          wait_parity(full0 + 8 * pre.slot, pre.phase);
-          if constexpr (ADD) wait_parity(full0 + 8 * add.slot, add.phase);
-        }
+        const TailRows<ADDS> tail(mix, S, ring_ptr, p.slot_bytes);
+        if (two_pass) tail.wait(full0);
         const float pK = __shfl_sync(0xffffffffu, prob, K);
-        const unsigned char* pre_row = ring_ptr + pre.slot * p.slot_bytes;
-        const unsigned char* add_row = ring_ptr + add.slot * p.slot_bytes;
 #pragma unroll
         for (int j = 0; j < V; ++j) {
           float x[8];
-          unpack8(valid(j) ? prefix_vector<ADD>(pre_row, add_row, offset(j)) : make_uint4(0, 0, 0, 0), x);
+          unpack8(valid(j) ? prefix_vector<ADDS>(tail.rows, offset(j)) : make_uint4(0, 0, 0, 0), x);
 #pragma unroll
           for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pK, x[e], acc[j][e]);
         }
         __syncwarp();
-        if (lane == 0) {
-          mbarrier_arrive(empty0 + 8 * pre.slot);
-          if constexpr (ADD) mbarrier_arrive(empty0 + 8 * add.slot);
-        }
+        if (lane == 0) tail.release(empty0);
       }
       if (two_pass) cur = mix;
       if (p.mix_pad) {
@@ -595,14 +595,14 @@ using PersistentKernel = void (*)(PersistentParams);
 
 // The instance for `vectors` per consumer thread (nullptr for none). Two blocks per SM have no 8-vector bucket
 // (H > 8192 takes more than kTwoBlocksMaxThreads threads); the plan declines that geometry.
-template <bool ADD, Fp8Mode FP8, int BLOCKS_PER_SM, bool NORM>
+template <int ADDS, Fp8Mode FP8, int BLOCKS_PER_SM, bool NORM>
 PersistentKernel persistent_instance(int vectors) {
   switch (vectors) {
-    case 1: return attn_res_persistent_kernel<1, ADD, FP8, BLOCKS_PER_SM, NORM>;
-    case 2: return attn_res_persistent_kernel<2, ADD, FP8, BLOCKS_PER_SM, NORM>;
-    case 4: return attn_res_persistent_kernel<4, ADD, FP8, BLOCKS_PER_SM, NORM>;
+    case 1: return attn_res_persistent_kernel<1, ADDS, FP8, BLOCKS_PER_SM, NORM>;
+    case 2: return attn_res_persistent_kernel<2, ADDS, FP8, BLOCKS_PER_SM, NORM>;
+    case 4: return attn_res_persistent_kernel<4, ADDS, FP8, BLOCKS_PER_SM, NORM>;
     case 8:
-      if constexpr (BLOCKS_PER_SM == 1) return attn_res_persistent_kernel<8, ADD, FP8, 1, NORM>;
+      if constexpr (BLOCKS_PER_SM == 1) return attn_res_persistent_kernel<8, ADDS, FP8, 1, NORM>;
       return nullptr;
     default: return nullptr;
   }
@@ -610,6 +610,6 @@ PersistentKernel persistent_instance(int vectors) {
 
 // attn_res's instances (NORM = false; nullptr for none), in their own translation unit
 // (cuda/attn_res_persistent_mix_instances.cu).
-PersistentKernel persistent_mix_instance(bool add, int vectors, int blocks_per_sm);
+PersistentKernel persistent_mix_instance(int adds, int vectors, int blocks_per_sm);
 
 }  // namespace attnres::detail

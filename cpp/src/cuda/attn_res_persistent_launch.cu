@@ -16,28 +16,37 @@ namespace attnres::detail {
 namespace {
 
 template <Fp8Mode F, int BLOCKS_PER_SM = 1>
-PersistentKernel by_add(bool add, int vectors) {
-  return add ? persistent_instance<true, F, BLOCKS_PER_SM, true>(vectors)
-             : persistent_instance<false, F, BLOCKS_PER_SM, true>(vectors);
+PersistentKernel by_adds(int adds, int vectors) {
+  switch (adds) {
+    case 0: return persistent_instance<0, F, BLOCKS_PER_SM, true>(vectors);
+    case 1: return persistent_instance<1, F, BLOCKS_PER_SM, true>(vectors);
+    case 2: return persistent_instance<2, F, BLOCKS_PER_SM, true>(vectors);
+    default: return nullptr;
+  }
 }
 
 // `norm`: attn_res_rmsnorm / attn_res_add_rmsnorm (and the persistent op); else attn_res, whose instances have no
 // FP8 epilogue (the plan declines FP8 without a norm before any kernel is chosen).
 template <int BLOCKS_PER_SM>
-PersistentKernel by_fp8(Fp8Scales fp8, bool add, int vectors) {
+PersistentKernel by_fp8(Fp8Scales fp8, int adds, int vectors) {
   switch (fp8) {
-    case Fp8Scales::none: return by_add<Fp8Mode::none, BLOCKS_PER_SM>(add, vectors);
-    case Fp8Scales::per_token: return by_add<Fp8Mode::per_token, BLOCKS_PER_SM>(add, vectors);
-    case Fp8Scales::block128: return by_add<Fp8Mode::block128, BLOCKS_PER_SM>(add, vectors);
+    case Fp8Scales::none: return by_adds<Fp8Mode::none, BLOCKS_PER_SM>(adds, vectors);
+    case Fp8Scales::per_token: return by_adds<Fp8Mode::per_token, BLOCKS_PER_SM>(adds, vectors);
+    case Fp8Scales::block128: return by_adds<Fp8Mode::block128, BLOCKS_PER_SM>(adds, vectors);
   }
   return nullptr;
 }
 
-PersistentKernel select_kernel(bool norm, Fp8Scales fp8, bool add, int vectors, int blocks_per_sm) {
-  if (!norm) return fp8 == Fp8Scales::none ? persistent_mix_instance(add, vectors, blocks_per_sm) : nullptr;
-  if (blocks_per_sm == 1) return by_fp8<1>(fp8, add, vectors);
-  if (blocks_per_sm == 2) return by_fp8<2>(fp8, add, vectors);
+// adds: the call's addends, 0, 1 or 2.
+PersistentKernel select_kernel(bool norm, Fp8Scales fp8, int adds, int vectors, int blocks_per_sm) {
+  if (!norm) return fp8 == Fp8Scales::none ? persistent_mix_instance(adds, vectors, blocks_per_sm) : nullptr;
+  if (blocks_per_sm == 1) return by_fp8<1>(fp8, adds, vectors);
+  if (blocks_per_sm == 2) return by_fp8<2>(fp8, adds, vectors);
   return nullptr;
+}
+
+int addends(const AttnResArgs& a) {
+  return (a.layer_residual_add.present() ? 1 : 0) + (a.layer_residual_add2.present() ? 1 : 0);
 }
 
 // The blocks of the plan's geometry resident per SM, after opting `kernel` into the device's shared memory (two
@@ -53,8 +62,8 @@ int persistent_resident(PersistentKernel kernel, int device, int optin, const Pl
 }  // namespace
 
 int cuda_attn_res_persistent_resident(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
-  const bool add = a.layer_residual_add.present();
-  const PersistentKernel kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  const PersistentKernel kernel =
+      select_kernel(op != AttnResOp::attn_res, a.fp8, addends(a), plan.vectors, plan.blocks_per_sm);
   if (kernel == nullptr) return 0;
   const int device = a.layer_residual.device.index;
   DeviceGuard guard(device);
@@ -63,13 +72,13 @@ int cuda_attn_res_persistent_resident(AttnResOp op, const AttnResArgs& a, const 
 }
 
 void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
-  const bool add = a.layer_residual_add.present();
-  const PersistentKernel kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, add, plan.vectors, plan.blocks_per_sm);
+  const int adds = addends(a);
+  const PersistentKernel kernel = select_kernel(op != AttnResOp::attn_res, a.fp8, adds, plan.vectors, plan.blocks_per_sm);
   const int64_t H = a.layer_residual.shape[1];
   const int64_t N = a.block_residual.shape[0] + 1;  // the header's size depends on it (persistent_layout.hpp)
   const int32_t consumers = plan.threads - persistent::kProducerThreads;
   // The plan and the kernel must agree on the layout; anything else is a bug, refused before launching.
-  if (kernel == nullptr || a.layer_residual_add2.present() || plan.slots < 1 || plan.passes < 1 ||
+  if (kernel == nullptr || (adds == 2 && !a.layer_residual_add.present()) || plan.slots < 1 || plan.passes < 1 ||
       plan.passes > 2 || plan.blocks < 1 || consumers % 32 != 0 || consumers < 32 ||
       consumers > persistent::kMaxConsumerWarps * 32 || consumers != persistent::consumer_threads(H) ||
       (plan.blocks_per_sm > 1 && plan.threads > persistent::kTwoBlocksMaxThreads) ||
@@ -83,6 +92,7 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   PersistentParams p{};
   p.layer_residual = tensor_ptr<const __nv_bfloat16>(a.layer_residual);
   p.add = tensor_ptr<const __nv_bfloat16>(a.layer_residual_add);
+  p.add2 = tensor_ptr<const __nv_bfloat16>(a.layer_residual_add2);
   p.bank = tensor_ptr<const __nv_bfloat16>(a.block_residual);
   p.res_weight = tensor_ptr<const __nv_bfloat16>(a.res_weight);
   p.rms_weight = tensor_ptr<const __nv_bfloat16>(a.rms_weight);
@@ -93,7 +103,8 @@ void cuda_attn_res_persistent(AttnResOp op, const AttnResArgs& a, const Plan& pl
   // the bank's token stride per token.
   if (a.snapshot_slot >= 0) p.snapshot = tensor_ptr<__nv_bfloat16>(snapshot_rows(a.block_residual, a.snapshot_slot));
   p.lr_stride = a.layer_residual.strides[0];
-  p.add_stride = add ? a.layer_residual_add.strides[0] : 0;
+  p.add_stride = a.layer_residual_add.present() ? a.layer_residual_add.strides[0] : 0;
+  p.add2_stride = a.layer_residual_add2.present() ? a.layer_residual_add2.strides[0] : 0;
   p.bank_snapshot_stride = a.block_residual.strides[0];
   p.bank_token_stride = a.block_residual.strides[1];
   p.output_stride = a.output.strides[0];
