@@ -10,8 +10,8 @@
   replay equals eager (outputs poisoned before each replay), PDL on and off, PDL chains that interleave
   per-token and persistent calls (each reading what the previous one wrote: the updated prefix, the newest
   bank row) equal the settled sequence, subnormal sums kept, inputs untouched;
-* the add2 decline: the plan reports it, the op raises it and writes nothing, the model layer materializes
-  `add + add2` and its result is bitwise the eager sequence.
+* two addends: the plan takes them, the model layer folds the tail into the persistent kernel, bitwise the eager
+  sequence (tests/kernels/test_persistent_add2.py holds every geometry to split_k's bits).
 
 Large T: inputs are drawn on the GPU; the oracle checks a sample of tokens (first, last, block and lap
 boundaries of the 132-block grid, random ones) since a token's result depends only on its own rows, while
@@ -40,8 +40,6 @@ BF16 = torch.bfloat16
 NAN = float("nan")
 PERSISTENT = attnres.Options(topology="persistent")
 SPLIT_K = attnres.Options(kernel="split_k")
-PERSISTENT_ADD2 = ("the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
-                   "layer_residual_add2 and call the one-addend op")
 
 E_SAME = (1e-5, 1e-5)
 E_NORM_BIG = (1e-6, 1e-2)
@@ -382,7 +380,7 @@ def test_subnormal_sums_are_kept():
 
 
 # ------------------------------------------------------------------------------------------------ add2
-def test_add2_is_declined_and_the_model_layer_materializes_first():
+def test_two_addends_fold_on_the_persistent_kernel():
     T, k, H = 300, 6, 7168
     g = torch.Generator(device="cuda").manual_seed(5)
     rnd = lambda *s, scale=1.0: (scale * torch.randn(*s, generator=g, device="cuda")).to(BF16)  # noqa: E731
@@ -394,25 +392,22 @@ def test_add2_is_declined_and_the_model_layer_materializes_first():
     tail = PendingTail(rnd(T, H, scale=2.0), rnd(T, H), rnd(T, H, scale=0.7))
     settings = ResidualSettings(fold=True, topology="persistent")
 
-    # The library: the plan says why, the op raises it before writing anything.
+    # The library: the plan takes the two-addend call on the persistent kernel, inputs unchanged.
     p = attnres.plan("attn_res_add_rmsnorm", tokens=T, candidates=k + 1, hidden=H, device="cuda", add=True,
                      add2=True, options=PERSISTENT)
-    assert p.decline == PERSISTENT_ADD2
+    assert p.accepted and p.kernel == "persistent", p
     before = [t.clone() for t in (*tail, bank.storage)]
-    with pytest.raises(attnres.UnsupportedError, match="^attn_res_add_rmsnorm: the persistent kernel declines "
-                                                       "layer_residual_add2"):
-        attnres.attn_res_add_rmsnorm(tail.prefix, tail.routed, bank.candidates(k), *w.args(),
-                                     layer_residual_add2=tail.shared, options=PERSISTENT)
+    attnres.attn_res_add_rmsnorm(tail.prefix, tail.routed, bank.candidates(k), *w.args(),
+                                 layer_residual_add2=tail.shared, options=PERSISTENT)
     for a, b in zip(before, (*tail, bank.storage)):
-        assert_same_bits(a, b, "inputs after the declined call")
+        assert_same_bits(a, b, "inputs after the two-addend call")
 
-    # The model layer: materialize prefix + (routed + shared), then the one-site path on the persistent kernel.
+    # The model layer folds the tail into the persistent kernel: bitwise the eager sequence.
     record = PathRecord()
     got = attn_res_site(tail, bank, k, w, settings, site="s", record=record)
-    assert [(e.path, e.reason) for e in record.entries][0] == (R.MATERIALIZE, R.TOPOLOGY)
-    assert (record.entries[1].path, record.entries[1].kernel) == (R.FUSED, "persistent")
+    assert [(e.path, e.kernel) for e in record.entries] == [(R.FUSED_ADD2, "persistent")], record.entries
     P = tail.prefix + (tail.routed + tail.shared)  # the eager sequence
-    assert_same_bits(got.prefix, P, "materialized prefix")
+    assert_same_bits(got.prefix, P, "folded prefix")
     eager = attnres.attn_res_rmsnorm(P, bank.candidates(k), *w.args(), options=PERSISTENT)
     assert_same_bits(got.output, eager, "model-layer output vs the eager sequence")
 

@@ -21,7 +21,7 @@ class ArgumentError : public Error {
 };
 
 // A valid call that this build or device cannot run (no CUDA backend, compute capability < 9.0, a plan that
-// declines, e.g. the persistent kernel asked for layer_residual_add2). Raised before anything is launched.
+// declines, e.g. the persistent kernel asked for the tap). Raised before anything is launched.
 class UnsupportedError : public Error {
  public:
   using Error::Error;

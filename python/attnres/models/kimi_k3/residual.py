@@ -55,7 +55,7 @@ SUM = "sum"  # a MoE layer summed its tail itself (fold off)
 # Why a site materializes first (or runs eager).
 TAP = "tap"  # the kernel cannot emit the pre-norm mixture the capture needs
 NO_SNAPSHOTS = "no_snapshots"  # the consumer has no snapshot yet (a plain RMSNorm, no attnres op)
-TOPOLOGY = "topology"  # the persistent topology: the plan declines add2 (or the tap / snapshot write)
+TOPOLOGY = "topology"  # the persistent route declined the call (the tap)
 MAX_CANDIDATES_REASON = "max_candidates"  # N above the fold's per-token limit
 FINAL_CAPTURE = "final_capture"  # the last layer is captured: its tap is taken at the output site
 WINDOW = "window"  # T above KIMI_K3_FUSED_ATTN_RES_MAX_TOKENS
