@@ -180,10 +180,10 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
   if (o.topology == Topology::automatic)
     return !automatic_streams(q, dev, o) &&
-           tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden, q.add,
+           tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden, (q.add ? 1 : 0) + (q.add2 ? 1 : 0),
                                                  persistent_blocks_per_sm(q, dev, o) == 2,
                                                  tuning::topology_grid(dev.name)) &&
-           persistent_decline(q).empty() && !q.add2;  // two addends: not measured against split_k yet
+           persistent_decline(q).empty();
   return false;
 }
 

@@ -133,7 +133,7 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // The automatic topology: the persistent kernel where it was measured faster than split_k (each GPU's grid,
 // topology_grid, H = 7168: docs/performance.md) — on the two-blocks-per-SM geometry (the persistent plan's for the call:
 // `two_blocks_per_sm`; one block per SM measured slower than split_k everywhere) and
-// T >= automatic_persistent_min_tokens(N, H, add); the per-token kernels everywhere else. The bits are the same
+// T >= automatic_persistent_min_tokens(N, H, addends); the per-token kernels everywhere else. The bits are the same
 // either way (both reduce in split_k's order). The persistent kernel's time grows with N (it streams every row),
 // split_k's with its candidate bucket (its instance computes the whole bucket), so it wins below the top of a
 // bucket (N = 5..8, 10) from a few hundred tokens, at the top (N = 9, 3, 4) only later, and never for N >= 11.
@@ -164,20 +164,33 @@ constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 128, 1024,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+// With two addends (the MoE tail's fold, `python -m bench prefill --ops add2 --forced`): not measured yet, so
+// never (the per-token kernels, as before the persistent kernel took the second addend).
+constexpr int64_t kAutomaticPersistentMinTokensAdd2ByN[kMaxCandidates] = {
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+constexpr int64_t kAutomaticPersistentMinTokensAdd2ByNH100[kMaxCandidates] = {
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
-constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, bool add,
+// addends: 0 (attn_res_rmsnorm, attn_res), 1 or 2 (attn_res_add_rmsnorm).
+constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, int32_t addends,
                                                   TopologyGrid grid = TopologyGrid::h200) {
-  if (candidates < 1 || candidates > kMaxCandidates) return kNeverPersistent;
+  if (candidates < 1 || candidates > kMaxCandidates || addends < 0 || addends > 2) return kNeverPersistent;
   const bool h100 = grid == TopologyGrid::h100;
-  const int64_t* table = add ? (h100 ? kAutomaticPersistentMinTokensByNH100 : kAutomaticPersistentMinTokensByN)
-                             : (h100 ? kAutomaticPersistentMinTokensNoAddByNH100 : kAutomaticPersistentMinTokensNoAddByN);
-  const int64_t measured = table[candidates - 1];
+  const int64_t* const by_addends[2][3] = {
+      {kAutomaticPersistentMinTokensNoAddByN, kAutomaticPersistentMinTokensByN, kAutomaticPersistentMinTokensAdd2ByN},
+      {kAutomaticPersistentMinTokensNoAddByNH100, kAutomaticPersistentMinTokensByNH100,
+       kAutomaticPersistentMinTokensAdd2ByNH100}};
+  const int64_t measured = by_addends[h100 ? 1 : 0][addends][candidates - 1];
   if (measured == kNeverPersistent || hidden >= kAutomaticPersistentMeasuredMinHidden) return measured;
   return kAutomaticPersistentMinTokens;
 }
-constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden, bool add,
+constexpr bool automatic_prefers_persistent(int64_t tokens, int64_t candidates, int64_t hidden, int32_t addends,
                                             bool two_blocks_per_sm, TopologyGrid grid = TopologyGrid::h200) {
-  return two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden, add, grid);
+  return two_blocks_per_sm && tokens >= automatic_persistent_min_tokens(candidates, hidden, addends, grid);
 }
 
 }  // namespace attnres::tuning

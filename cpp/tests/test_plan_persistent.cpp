@@ -416,6 +416,8 @@ TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {
     }
     EXPECT_FALSE(tuning::automatic_prefers_persistent(tuning::kMaxTokensPerLaunch, c.n, c.hidden, c.add, false));
   }
+  for (const int32_t addends : {-1, 3})  // no such op
+    EXPECT_EQ(tuning::automatic_persistent_min_tokens(5, 7168, addends), never) << addends;
 }
 
 // Through the plan on a described H200: N = 9 at the crossover (T = 512 at H > 4096, 4096 below), with and
