@@ -8,7 +8,9 @@ warps, bulk copies landing after random delays, mbarriers with phase-parity sema
 that resolves at a random moment, all under random interleavings. Checks: no deadlock; every consumer read
 sees the row it expects, landed; no copy overwrites a slot a warp may still read; every parity wait matches
 exactly the phase it means (never one a lap away); before the grid dependency resolves, only bank rows
-0..K-2 are copied and no wait depends on the consumers."""
+0..K-2 are copied and no wait depends on the consumers; a two-pass token with addends mixes from the `updated` row,
+copied back only after every consumer warp stored its part (named barrier 2), and no copy reads the prefix after
+a warp stored `updated` (so the update may be in place)."""
 
 import random
 import sys
@@ -56,13 +58,16 @@ class Ring:
         self.inflight = []  # (slot, row_id)
 
 
-def run(T, K, add, S, W, grid, block, passes, seed):
+def run(T, K, adds, S, W, grid, block, passes, seed, sync_updated=True):
+    """adds: the addends (0, 1, 2); sync_updated=False drops the producer's sync on barrier 2 (a broken protocol
+    the checks must catch)."""
     rng = random.Random(seed)
-    rows = K + 1 + (1 if add else 0)
     ring = Ring(S, W)
     waited = [False]
     dep = [False]
     log = []
+    stored = {}  # token -> consumer warps that stored (and fenced) their part of `updated`
+    arrivals = {"count": 0, "gen": 0}  # named barrier 2: W consumer arrivals (+ the producer's sync) per phase
 
     def wait_full(slot, phase, expect, warp, expected_completions):
         while not ring.full[slot].try_wait_parity(phase):
@@ -77,7 +82,16 @@ def run(T, K, add, S, W, grid, block, passes, seed):
         issued = 0
         for t in range(block, T, grid):
             for ps in range(passes):
-                for r in range(rows):
+                mix_updated = ps == 1 and adds > 0
+                for r in range(K + 1 if mix_updated else K + 1 + adds):
+                    if mix_updated and r == K:  # bar.sync 2: every consumer warp arrived for this token
+                        while sync_updated and arrivals["count"] < W:
+                            yield
+                        arrivals["count"] -= W
+                        arrivals["gen"] += 1
+                        assert stored.get(t) == set(range(W)), ("updated copied before it was stored", t, stored.get(t))
+                    if r == K and not mix_updated:
+                        assert not stored.get(t), ("the prefix read after `updated` was written", t)
                     if not waited[0] and (r >= K - 1 or issued == S):
                         while not dep[0]:  # griddepcontrol.wait: resolves when the previous grid completes
                             yield
@@ -92,7 +106,7 @@ def run(T, K, add, S, W, grid, block, passes, seed):
                     assert ring.empty[slot].completed == lap[slot], (slot, ring.empty[slot].completed, lap[slot])
                     assert not ring.readers[slot], ("overwrite while read", slot, ring.readers[slot])
                     ring.full[slot].expect_tx(1)
-                    ring.content[slot] = (t, ps, r)
+                    ring.content[slot] = (t, ps, "updated" if mix_updated and r == K else r)
                     ring.landed[slot] = False
                     ring.inflight.append(slot)
                     lap[slot] += 1
@@ -140,22 +154,24 @@ def run(T, K, add, S, W, grid, block, passes, seed):
                 if two:
                     release(s, warp)
                 adv(cur)
-            pre = list(cur)
-            adv(cur)
-            addc = list(pre)
-            if add:
-                addc = list(cur)
+            tail = []
+            for i in range(1 + adds):  # the prefix, then the addends
+                tail.append(list(cur))
                 adv(cur)
-            uses[pre[0]] += 1
-            yield from wait_full(pre[0], pre[1], (t, 0, K), warp, uses[pre[0]])
-            if add:
-                uses[addc[0]] += 1
-                yield from wait_full(addc[0], addc[1], (t, 0, K + 1), warp, uses[addc[0]])
-            log.append(("updated", t, warp))
+            for i, (s, ph) in enumerate(tail):
+                uses[s] += 1
+                yield from wait_full(s, ph, (t, 0, K + i), warp, uses[s])
+            log.append(("scored", t, warp))
+            if adds:  # stores its part of `updated`
+                stored.setdefault(t, set()).add(warp)
+            if two and adds:
+                # fence.proxy.async.global, then bar.arrive 2; a warp arrives for token t + grid only after
+                # the producer's sync for t (it needs rows issued after it)
+                assert arrivals["count"] < W, "a second phase's arrival before the producer synced"
+                arrivals["count"] += 1
             if two:
-                release(pre[0], warp)
-                if add:
-                    release(addc[0], warp)
+                for s, _ in tail:
+                    release(s, warp)
             yield from consumer_barrier()
             mix = list(cur) if two else list(first)
             for n in range(K):
@@ -168,25 +184,19 @@ def run(T, K, add, S, W, grid, block, passes, seed):
                 release(s, warp)
                 adv(mix)
                 yield
-            pre = list(mix)
-            adv(mix)
-            addc = list(pre)
-            if add:
-                addc = list(mix)
+            tail = []
+            for i in range(1 if two and adds else 1 + adds):  # two passes with addends: the `updated` row
+                tail.append(list(mix))
                 adv(mix)
-            if two:
-                uses[pre[0]] += 1
-                yield from wait_full(pre[0], pre[1], (t, 1, K), warp, uses[pre[0]])
-                if add:
-                    uses[addc[0]] += 1
-                    yield from wait_full(addc[0], addc[1], (t, 1, K + 1), warp, uses[addc[0]])
-            else:
-                assert ring.content[pre[0]] == (t, 0, K) and warp in ring.readers[pre[0]]
-                if add:
-                    assert ring.content[addc[0]] == (t, 0, K + 1) and warp in ring.readers[addc[0]]
-            release(pre[0], warp)
-            if add:
-                release(addc[0], warp)
+            for i, (s, ph) in enumerate(tail):
+                want = (t, 1, "updated") if two and adds else (t, 1 if two else 0, K + i)
+                if two:
+                    uses[s] += 1
+                    yield from wait_full(s, ph, want, warp, uses[s])
+                else:
+                    assert ring.content[s] == want and warp in ring.readers[s]
+            for s, _ in tail:
+                release(s, warp)
             if two:
                 cur = mix
             yield from consumer_barrier()
@@ -218,26 +228,32 @@ def run(T, K, add, S, W, grid, block, passes, seed):
     assert sorted(x[1] for x in log if x[0] == "output") == sorted(t for t in tokens for _ in range(W))
 
 
-def main():
+def run_seeds(seeds, **kw):
+    """Every block of one random configuration per seed; the number of runs."""
     n = 0
-    for seed in range(int(sys.argv[1]) if len(sys.argv) > 1 else 300):
+    for seed in seeds:
         rng = random.Random(seed)
         K = rng.randrange(0, 16)
-        add = rng.random() < 0.5
-        rows = K + 1 + add
+        adds = rng.randrange(0, 3)
+        rows = K + 1 + adds
+        least = 3 if adds == 2 else 2  # tuning::persistent_min_slots
         W = rng.randrange(1, 9)
         if rng.random() < 0.5:
-            S = rng.randrange(rows, rows + 8)
+            S = rng.randrange(max(rows, least), rows + 8)
             passes = 1
         else:  # two passes: forced by the tuning knob over any depth, or chosen when a token does not fit
-            S = rng.randrange(2, 8) if rng.random() < 0.5 else rng.randrange(2, rows + 8)
+            S = rng.randrange(least, 8) if rng.random() < 0.5 else rng.randrange(least, rows + 8)
             passes = 2
         T = rng.randrange(1, 12)
         grid = rng.randrange(1, 5)
         for block in range(min(grid, T)):
-            run(T, K, add, S, W, grid, block, passes, seed * 7 + block)
+            run(T, K, adds, S, W, grid, block, passes, seed * 7 + block, **kw)
             n += 1
-    print("ok", n, "runs")
+    return n
+
+
+def main():
+    print("ok", run_seeds(range(int(sys.argv[1]) if len(sys.argv) > 1 else 300)), "runs")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,6 @@ const char* decline_code_name(DeclineCode code) {
     case DeclineCode::persistent_shared_memory: return "persistent_shared_memory";
     case DeclineCode::persistent_slots: return "persistent_slots";
     case DeclineCode::persistent_one_pass: return "persistent_one_pass";
-    case DeclineCode::persistent_in_place_two_passes: return "persistent_in_place_two_passes";
     case DeclineCode::persistent_not_resident: return "persistent_not_resident";
     case DeclineCode::single_cta_too_large: return "single_cta_too_large";
     case DeclineCode::split_k_threads: return "split_k_threads";
@@ -235,13 +234,6 @@ Plan persistent_plan(const PlanQuery& q, const DeviceInfo& dev, const Options& o
   const int64_t spare = tuning::persistent_one_pass_spare_slots(per_sm);
   const bool one_pass = slots >= rows + spare;
   const int32_t passes = o.persistent_passes > 0 ? o.persistent_passes : one_pass ? 1 : 2;
-  // Pass 2 streams the prefix again to mix, after pass 1 wrote `updated`: in place it would read the updated rows.
-  if (q.in_place && passes == 2)
-    return declined(DeclineCode::persistent_in_place_two_passes,
-                    "the persistent kernel's two passes re-read layer_residual after writing updated, so it cannot "
-                    "update in place here (a token's " + std::to_string(rows) + " rows need " +
-                    std::to_string(rows + spare) + " row slots for one pass; the "
-                    "ring has " + std::to_string(slots) + "): pass a separate updated or use the per-token kernels");
   Plan p;
   p.kernel = KernelKind::persistent;
   p.route = Route::persistent;

@@ -317,7 +317,6 @@ PlanQuery plan_query(AttnResOp op, const AttnResArgs& a) {
   q.diagnostics = a.rsigma.present() || a.probs.present() || a.logits.present();
   q.fp8 = a.fp8;
   q.fp8_pow2_scales = a.fp8_pow2_scales;
-  q.in_place = a.updated.present() && a.updated.data != nullptr && a.updated.data == a.layer_residual.data;
   return q;
 }
 

@@ -383,22 +383,23 @@ TEST_P(GpuAddend, MixtureIsTheAddRmsnormTapBitwise) {
 INSTANTIATE_TEST_SUITE_P(Kernels, GpuAddend, ::testing::ValuesIn(gpu_kernel_cases()),
                          [](const ::testing::TestParamInfo<GpuKernelCase>& info) { return info.param.name; });
 
-// The persistent kernel's two-pass mode re-reads the prefix in its second pass, so it cannot update in place:
-// the plan declines it (automatic falls back to the per-token kernels), and nothing is written.
-TEST(GpuAddendPersistent, TwoPassInPlaceIsDeclined) {
+// The persistent kernel's two-pass mode mixes from `updated` (streamed back after step 1 stored it), never from
+// the prefix after it was written: in place it gives the out-of-place bits, one addend and two.
+TEST(GpuAddendPersistent, TwoPassRunsInPlace) {
   REQUIRE_HOPPER();
   const Case c = make_case(40, 4, 2048, -1, test_seed());
   Options two_pass = forced(KernelKind::persistent);
   two_pass.persistent_passes = 2;
-  const Call out_of_place{A, true, false, false, false, false}, in_place{A, true, false, false, false, true};
-  ASSERT_TRUE(plan_on_gpu(c, out_of_place, two_pass).accepted());
-  const attnres::Plan declined = plan_on_gpu(c, in_place, two_pass);
-  EXPECT_FALSE(declined.accepted());
-  EXPECT_THROW(run_gpu(c, in_place, two_pass), attnres::UnsupportedError);
-  // Automatic: in place runs (on a kernel that can), bitwise the out-of-place result.
-  const Case out = run_gpu(c, out_of_place, Options{});
-  const Case in = run_gpu(c, in_place, Options{});
-  expect_in_place_equals_out_of_place(c, out, in, in_place);
+  for (const bool add2 : {false, true}) {
+    SCOPED_TRACE(add2 ? "two addends" : "one addend");
+    const Call out_of_place{A, true, add2, false, false, false}, in_place{A, true, add2, false, false, true};
+    const attnres::Plan p = plan_on_gpu(c, in_place, two_pass);
+    ASSERT_TRUE(p.accepted()) << p.decline;
+    EXPECT_EQ(p.passes, 2);
+    const Case out = run_gpu(c, out_of_place, two_pass);
+    const Case in = run_gpu(c, in_place, two_pass);
+    expect_in_place_equals_out_of_place(c, out, in, in_place);
+  }
 }
 
 #endif  // ATTNRES_WITH_CUDA

@@ -135,10 +135,9 @@ def _flag(name: str, value) -> bool:
 
 def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", add: bool = False,
          add2: bool = False, tap: bool = False, snapshot: bool = False, diagnostics: bool = False,
-         fp8: str | None = None, fp8_pow2_scales: bool = False, in_place: bool = False,
-         options: Options | None = None) -> PlanInfo:
+         fp8: str | None = None, fp8_pow2_scales: bool = False, options: Options | None = None) -> PlanInfo:
     """The kernel `op` would run for T = tokens, N = candidates, H = hidden on `device` (fp8: None, "per_token"
-    or "block128", the FP8 epilogue; in_place: `updated` is `layer_residual`): a torch device, or a described GPU
+    or "block128", the FP8 epilogue): a torch device, or a described GPU
     ("h100", "h200", or a dict of cc_major, cc_minor, sm_count, shared_memory_per_block_optin), for which it is
     the plan a CUDA build takes on that GPU, answered without one. On a visible GPU it is the plan a call of that
     shape launches (the occupancy calculator included). Bad arguments raise attnres.ArgumentError."""
@@ -155,7 +154,7 @@ def plan(op: str, *, tokens: int, candidates: int, hidden: int, device="cpu", ad
     q.add, q.add2, q.tap = _flag("add", add), _flag("add2", add2), _flag("tap", tap)
     q.snapshot, q.diagnostics = _flag("snapshot", snapshot), _flag("diagnostics", diagnostics)
     q.fp8 = getattr(_C.Fp8Scales, fp8 or "none")
-    q.fp8_pow2_scales, q.in_place = _flag("fp8_pow2_scales", fp8_pow2_scales), _flag("in_place", in_place)
+    q.fp8_pow2_scales = _flag("fp8_pow2_scales", fp8_pow2_scales)
     return plan_info(_C.plan_query(q, device_info(device), (options or DEFAULT).to_c()))
 
 

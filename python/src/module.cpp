@@ -195,8 +195,7 @@ NB_MODULE(_C, m) {
       .def_rw("snapshot", &PlanQuery::snapshot)
       .def_rw("diagnostics", &PlanQuery::diagnostics)
       .def_rw("fp8", &PlanQuery::fp8)
-      .def_rw("fp8_pow2_scales", &PlanQuery::fp8_pow2_scales)
-      .def_rw("in_place", &PlanQuery::in_place);
+      .def_rw("fp8_pow2_scales", &PlanQuery::fp8_pow2_scales);
 
   nb::enum_<Route>(m, "Route")
       .value("none", Route::none)

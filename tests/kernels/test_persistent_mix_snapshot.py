@@ -65,10 +65,10 @@ def _options(variant: str, pdl: bool = True):
     return VARIANTS[variant].options(pdl)
 
 
-def _plan(op: str, T: int, N: int, H: int, add: bool, options, *, snapshot: bool = False, in_place: bool = False):
+def _plan(op: str, T: int, N: int, H: int, add: bool, options, *, snapshot: bool = False):
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
-    q.tokens, q.candidates, q.hidden, q.add, q.snapshot, q.in_place = T, N, H, add, snapshot, in_place
+    q.tokens, q.candidates, q.hidden, q.add, q.snapshot = T, N, H, add, snapshot
     return plan_info(_C.plan_query(q, device_info("cuda"), options.to_c()))
 
 
@@ -146,8 +146,8 @@ def test_persistent_gives_split_k_bits_with_and_without_the_norm_and_the_snapsho
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[4]], ids=_case_id)
 def test_in_place_prefix_update_as_the_engines_call_it(case):
-    """attn_res with its addend and out=(layer_residual, None): the prefix updated in place (one pass; the plan
-    declines the two-pass ring in place), the snapshot row written, the bits of split_k's separate call."""
+    """attn_res with its addend and out=(layer_residual, None): the prefix updated in place (one pass, or two
+    passes that mix from the `updated` row), the snapshot row written, the bits of split_k's separate call."""
     T, N, H, layout, add = case
     inp = gpu_inputs(T, N, H, layout=layout, add=True, seed=zlib.crc32(_case_id(case).encode()) + 1)
     slot = inp.spare_slot
@@ -155,10 +155,7 @@ def test_in_place_prefix_update_as_the_engines_call_it(case):
     want = _call("attn_res", inp, True, slot, SPLIT_K)
     want_row = inp.bank_row(slot).clone()
     opts = _options("default")
-    p = _plan("attn_res", T, N, H, True, opts, snapshot=True, in_place=True)
-    if not p.accepted:
-        assert p.decline_code == "persistent_in_place_two_passes", p
-        return
+    p = _plan("attn_res", T, N, H, True, opts, snapshot=True)
     assert p.kernel == "persistent", p
     inp.bank_row(slot).fill_(NAN)
     updated, mixture = _call("attn_res", inp, True, slot, opts, in_place=True)

@@ -152,7 +152,12 @@ def test_cuda_per_token_kernels(name, options, T, H, Ns):
 @pytest.mark.gpu
 @pytest.mark.skipif(CUDA_SKIP_REASON is not None, reason=CUDA_SKIP_REASON or "")
 @pytest.mark.parametrize("N", [1, 2, 5, 9, 16])
-def test_cuda_persistent_one_pass_in_place(N):
-    inp = inputs(40, N, 2048, "cuda", N)
+@pytest.mark.parametrize("passes", [1, 2])
+def test_cuda_persistent_in_place(N, passes):
+    """In place on either pass mode (two passes mix from the `updated` row, never the overwritten prefix)."""
+    inp = inputs(40, N, 2048, "cuda", N, slot=N)
+    opts = _forced("persistent", _persistent_passes=passes)
     for op in ("attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent"):
-        check_in_place(op, inp, N, False, -1, _forced("persistent", _persistent_passes=1))
+        check_in_place(op, inp, N, False, -1, opts)
+    check_in_place("attn_res_add_rmsnorm", inp, N, True, -1, opts)  # two addends
+    check_in_place("attn_res", inp, N, False, N, opts)  # the engines' call: the snapshot row written too

@@ -341,7 +341,7 @@ def test_plan_names_its_route_and_decline_code():
     assert (p.route, p.decline_code) == ("none", "bad_shape"), p
     # The names are the binding's enum names.
     assert set(_C.DeclineCode.__members__) >= {"none", "bad_shape", "no_cuda_backend", "compute_capability",
-                                               "persistent_unsupported_feature", "persistent_in_place_two_passes",
+                                               "persistent_unsupported_feature",
                                                "persistent_not_resident"}
     assert set(_C.Route.__members__) == {"none", "per_token", "stream", "persistent", "cpu"}
 
@@ -357,20 +357,6 @@ def test_the_tuning_modules_report_through_plan_info():
     p = _persistent_tuning.plan(_persistent_tuning.Variant("bad", slots=64), tokens=4096, candidates=9, hidden=7168,
                                 device="h200")
     assert (p.accepted, p.decline_code) == (False, "persistent_slots"), p
-
-
-def test_in_place_never_takes_the_two_pass_persistent_kernel():
-    base = dict(tokens=4096, candidates=9, hidden=7168, device="h200", add=True)
-    separate = attnres.plan("attn_res_add_rmsnorm", **base)
-    assert (separate.route, separate.passes) == ("persistent", 2), separate
-    p = attnres.plan("attn_res_add_rmsnorm", in_place=True, **base)
-    assert (p.kernel, p.route) == ("split_k", "per_token"), p
-    p = attnres.plan("attn_res_add_rmsnorm_persistent", in_place=True, **base)
-    assert (p.accepted, p.decline_code) == (False, "persistent_in_place_two_passes"), p
-    assert "cannot update in place" in p.decline
-    # One pass (N = 7: eight rows fit the ring of 8 slots) runs in place.
-    p = attnres.plan("attn_res_add_rmsnorm", in_place=True, **{**base, "candidates": 7})
-    assert (p.route, p.passes) == ("persistent", 1), p
 
 
 # ----------------------------------------------------------------------------------------- argument errors
@@ -395,7 +381,7 @@ def test_plan_counts_accept_integer_types():
     assert attnres.plan("attn_res", tokens=-(1 << 63), candidates=2, hidden=64).decline_code == "bad_shape"
 
 
-@pytest.mark.parametrize("flag", ["add", "add2", "tap", "snapshot", "diagnostics", "fp8_pow2_scales", "in_place"])
+@pytest.mark.parametrize("flag", ["add", "add2", "tap", "snapshot", "diagnostics", "fp8_pow2_scales"])
 @pytest.mark.parametrize("value", [1, "yes", None])
 def test_plan_flags_must_be_bools(flag, value):
     with pytest.raises(attnres.ArgumentError, match=f"^attnres.plan: {flag} must be a bool"):

@@ -114,9 +114,6 @@ struct PlanQuery {
   bool add = false, add2 = false, tap = false, snapshot = false, diagnostics = false;
   Fp8Scales fp8 = Fp8Scales::none;  // the FP8 epilogue (a compile-time variant of every kernel)
   bool fp8_pow2_scales = false;
-  // `updated` is `layer_residual` (the same data pointer): the prefix is updated in place. The persistent
-  // kernel's two-pass mode re-reads the prefix after writing `updated`, so it cannot run such a call.
-  bool in_place = false;
 };
 
 // Which kernel family runs a call: the per-token kernels (split_k, or single_cta one token per block), the
@@ -143,10 +140,9 @@ enum class DeclineCode : int32_t {
   persistent_shared_memory = 13,      // not even the smallest ring fits a block's shared memory
   persistent_slots = 14,              // the slot knob outside what fits
   persistent_one_pass = 15,           // one pass forced where a token's rows do not fit the ring
-  persistent_in_place_two_passes = 16,// in place on the two-pass geometry
-  persistent_not_resident = 17,       // two blocks per SM forced where the occupancy calculator finds fewer
-  single_cta_too_large = 18,          // single_cta forced where a token's rows do not fit one block
-  split_k_threads = 19,               // split_k with a cluster too small for H
+  persistent_not_resident = 16,       // two blocks per SM forced where the occupancy calculator finds fewer
+  single_cta_too_large = 17,          // single_cta forced where a token's rows do not fit one block
+  split_k_threads = 18,               // split_k with a cluster too small for H
 };
 const char* decline_code_name(DeclineCode code);
 

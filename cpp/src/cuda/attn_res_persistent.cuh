@@ -17,7 +17,8 @@
 //      into the snapshot row when the call writes one (the row is >= K: never a candidate of this call);
 //   2. after one consumer barrier, every warp sums the per-warp pairs in split_k's order and computes the same
 //      softmax (lane n: candidate n), so the N probabilities need no second barrier;
-//   3. mix row by row, n = 0..K-1 then P (recomputed from the prefix and addend slots: the same bits), as an
+//   3. mix row by row, n = 0..K-1 then P (one pass: recomputed from the prefix and addend slots; two passes
+//      with an addend: the `updated` row streamed back; the same bits either way), as an
 //      fma chain per element in that order, releasing each slot after its row; round the mixture to bf16
 //      once (ops.md step 6);
 //   4. trailing norm in Kimi's two-rounding order (ops.md step 7): the mixture's sum of squares through a
@@ -40,8 +41,12 @@
 //     least one slot more than a token needs, so the next token streams while this one is mixed and rows are
 //     released one by one as they are mixed;
 //   * two passes (passes = 2, when a token's rows do not fit the ring, e.g. H = 16384, N = 16): each row is
-//     streamed twice, released right after scoring and again after mixing. The second pass reads the same
-//     bytes (from L2 when they are still there) and repeats the same arithmetic, so the results do not change.
+//     released right after scoring and streamed again to mix. The second pass streams the bank rows again (from
+//     L2 when they are still there) and, with an addend, the `updated` row that step 1 stored (P's bits: the
+//     same value the one-pass mix recomputes from the prefix and addends) instead of the prefix and addends:
+//     one row instead of 1 + ADDS, and the prefix is never read after `updated` is written, so the update may
+//     be in place. Without an addend it streams the prefix again. Either way the arithmetic repeats and the
+//     results do not change.
 //
 // Determinism: which thread owns an element and every reduction order depend on H only (the plan's consumer
 // count and vector bucket), never on T, on the block that runs the token, on the grid, on the blocks per SM,
@@ -61,7 +66,10 @@
 // consumers (generic loads, released through the empty mbarrier's arrive/wait). No generic store ever writes
 // a slot, so no fence.proxy.async is needed before a slot is reused; a change that stores into a slot must
 // add fence.proxy.async.shared::cta before its release. The mbarrier initialisation is published to the
-// async proxy with fence.mbarrier_init before the first copy.
+// async proxy with fence.mbarrier_init before the first copy. The second pass's copy of `updated` reads global
+// memory the consumers wrote with generic stores: each consumer thread fences its stores to the async proxy
+// (fence.proxy.async.global) and then arrives on named barrier 2, which the producer warp syncs on before it
+// issues that copy (the barrier orders the stores before the copy; the fence makes them visible to it).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -156,6 +164,17 @@ __device__ __forceinline__ void bulk_copy_to_shared(uint32_t dst, const void* sr
 __device__ __forceinline__ void consumer_barrier(int consumers) {
   asm volatile("bar.sync 1, %0;" ::"r"(consumers) : "memory");
 }
+// Barrier 2, a two-pass token's `updated` row: every consumer thread, once its stores of the row are issued,
+// fences them to the async proxy and arrives (without waiting); the producer warp syncs before it copies the row
+// back for the mixing pass. One phase per token: the consumers reach the next token's arrival only after rows
+// the producer issues after this sync.
+__device__ __forceinline__ void updated_stored_arrive(int consumers) {
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  asm volatile("bar.arrive 2, %0;" ::"r"(consumers + persistent::kProducerThreads) : "memory");
+}
+__device__ __forceinline__ void updated_stored_sync(int consumers) {
+  asm volatile("bar.sync 2, %0;" ::"r"(consumers + persistent::kProducerThreads) : "memory");
+}
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, m));
@@ -176,16 +195,21 @@ struct RingCursor {
 // The producer warp: streams the rows of every token of this block (twice per token in two-pass mode).
 __device__ __forceinline__ void produce_rows(const PersistentParams& p, int adds, uint32_t full0, uint32_t empty0,
                                              uint32_t ring, int lane) {
-  const int K = p.snapshots, rows = K + 1 + adds;
+  const int K = p.snapshots;
   RingCursor cur;
   bool waited = false;
   int issued = 0;  // before the wait: copies issued, all into slots never used yet
   for (int t = blockIdx.x; t < p.tokens; t += gridDim.x) {
     for (int pass = 0; pass < p.passes; ++pass) {
+      // The mixing pass of a two-pass token with an addend streams `updated` (P) in place of the prefix and addends.
+      const bool mix_updated = pass == 1 && adds > 0;
+      const int rows = mix_updated ? K + 1 : K + 1 + adds;
       for (int r = 0; r < rows; ++r) {
+        if (mix_updated && r == K) updated_stored_sync(p.consumers);  // every consumer stored and fenced its part
         const __nv_bfloat16* src =
             r < K ? p.bank + t * p.bank_token_stride + r * p.bank_snapshot_stride
-                  : (r == K       ? p.layer_residual + t * p.lr_stride
+                  : (mix_updated  ? p.updated + t * p.updated_stride
+                     : r == K     ? p.layer_residual + t * p.lr_stride
                      : r == K + 1 ? p.add + t * p.add_stride
                                   : p.add2 + t * p.add2_stride);
         // Bank rows 0..K-2 may be read before the grid dependency resolves; the newest row K-1 (the previous
@@ -253,6 +277,8 @@ struct TailRows {
 #pragma unroll
     for (int i = 0; i <= ADDS; ++i) mbarrier_arrive(empty0 + 8 * at[i].slot);
   }
+  // P of the vector at `offset` (prefix_vector).
+  __device__ __forceinline__ uint4 p_vector(uint32_t offset) const { return prefix_vector<ADDS>(rows, offset); }
 };
 
 // A thread's V vectors get vector_scores chains of their own (device_utils.cuh): V independent chains instead of
@@ -400,7 +426,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         float ssj[V], dotj[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) {
-          const uint4 P = valid(j) ? prefix_vector<ADDS>(tail.rows, offset(j)) : make_uint4(0, 0, 0, 0);
+          const uint4 P = valid(j) ? tail.p_vector(offset(j)) : make_uint4(0, 0, 0, 0);
           if constexpr (ADDS > 0) {
             if (valid(j)) store16(p.updated + t * p.updated_stride + offset(j) / 2, P);
           }
@@ -409,6 +435,7 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         }
         store_warp_partials<V>(ssj, dotj, partials + K * consumer_warps * 2, warp, lane);
         if (two_pass) {
+          if constexpr (ADDS > 0) updated_stored_arrive(C);  // the mixing pass copies `updated` back
           __syncwarp();
           if (lane == 0) tail.release(empty0);
         }
@@ -458,18 +485,26 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
         mix.advance(S);
       }
       {
-        const TailRows<ADDS> tail(mix, S, ring_ptr, p.slot_bytes);
-        if (two_pass) tail.wait(full0);
+        // A two-pass token with an addend mixes P from `updated` (one row, TailRows<0>: taken as it is), every
+        // other the prefix and addends.
         const float pK = __shfl_sync(0xffffffffu, prob, K);
+        const auto mix_tail = [&](const auto& tail) {
+          if (two_pass) tail.wait(full0);
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-          float x[8];
-          unpack8(valid(j) ? prefix_vector<ADDS>(tail.rows, offset(j)) : make_uint4(0, 0, 0, 0), x);
+          for (int j = 0; j < V; ++j) {
+            float x[8];
+            unpack8(valid(j) ? tail.p_vector(offset(j)) : make_uint4(0, 0, 0, 0), x);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pK, x[e], acc[j][e]);
+            for (int e = 0; e < 8; ++e) acc[j][e] = fmaf(pK, x[e], acc[j][e]);
+          }
+          __syncwarp();
+          if (lane == 0) tail.release(empty0);
+        };
+        if (two_pass && ADDS > 0) {
+          mix_tail(TailRows<0>(mix, S, ring_ptr, p.slot_bytes));
+        } else {
+          mix_tail(TailRows<ADDS>(mix, S, ring_ptr, p.slot_bytes));
         }
-        __syncwarp();
-        if (lane == 0) tail.release(empty0);
       }
       if (two_pass) cur = mix;
       if (p.mix_pad) {
