@@ -118,8 +118,9 @@ int32_t stream_threads(int64_t hidden) {
 }
 
 // The streaming single_cta's token buffers: the knob's, else the tuned count for the call.
-int32_t stream_buffers(const PlanQuery& q, const Options& o) {
-  return o.stream_buffers > 0 ? o.stream_buffers : tuning::stream_buffers(q.candidates, q.add, q.add2);
+int32_t stream_buffers(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+  return o.stream_buffers > 0 ? o.stream_buffers
+                              : tuning::stream_buffers(q.candidates, q.add, q.add2, tuning::topology_grid(dev.name));
 }
 
 // single_cta streams (cuda/attn_res_stream.cuh) from the knob's T on, by default once there are more tokens than
@@ -133,7 +134,7 @@ int32_t stream_smem_bytes(const PlanQuery& q, const DeviceInfo& dev, const Optio
   if (q.tokens < from) return 0;
   if (q.fp8 == Fp8Scales::block128 && tuning::split_k_chunk(q.hidden) % 16 != 0) return 0;
   const int64_t bytes = tuning::stream_smem_bytes(tuning::candidate_bucket(q.candidates), q.add, q.add2,
-                                                  stream_threads(q.hidden), stream_buffers(q, o));
+                                                  stream_threads(q.hidden), stream_buffers(q, dev, o));
   if (bytes + tuning::kStreamStaticSharedBytes > dev.shared_memory_per_block_optin) return 0;
   return static_cast<int32_t>(bytes);
 }
@@ -367,7 +368,7 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
     p.vectors = p.smem_bytes > 0 ? tuning::kStreamVectors : 1;
     if (p.smem_bytes > 0) {
       p.route = Route::stream;
-      p.slots = stream_buffers(q, o);
+      p.slots = stream_buffers(q, dev, o);
     }
   } else {
     int32_t cluster = o.cluster > 0 ? o.cluster : tuning::split_k_cluster(q.hidden);

@@ -85,14 +85,17 @@ constexpr int32_t stream_slots(int32_t bucket, bool add, bool add2) {
 }
 // The 16-byte vectors of a row each of its threads owns: the lanes of single_cta's one-block layout per thread.
 constexpr int32_t kStreamVectors = 2;
-// The token buffers: the token being reduced and buffers - 1 being copied. Two: three measured no faster on the
-// H200 (docs/performance.md). Three and four are built for `python -m bench stream` (Options::stream_buffers),
-// which asks whether more tokens in flight help where a token reads one row (N = 1 without an addend); not yet
-// measured, so every call takes two.
+// The token buffers: the token being reduced and buffers - 1 being copied (`python -m bench stream`,
+// Options::stream_buffers). At H = 7168 one block per SM runs (its registers), so a token that reads one row
+// (N = 1 without an addend: an RMSNorm of the prefix) has ~14 KB in flight per SM with two buffers; on the H100
+// four buffers ran 12 % faster at T = 4096 and 5 % at T = 1024 (bench_results/h100_5a85df6_stream_buffers.json).
+// Everywhere else two: with an addend more buffers ran 1-10 % slower (N = 1..4); without one, N = 2 stayed within
+// 3 % either way and N = 3, 4 ran level or slower. The H200's counts are not measured yet: two everywhere.
 constexpr int32_t kStreamBuffers = 2;
+constexpr int32_t kStreamBuffersOneRowH100 = 4;
 constexpr int32_t kStreamMaxBuffers = 4;
-constexpr int32_t stream_buffers(int64_t candidates, bool add, bool add2) {
-  return (void)candidates, (void)add, (void)add2, kStreamBuffers;
+constexpr int32_t stream_buffers(int64_t candidates, bool add, bool add2, TopologyGrid grid = TopologyGrid::h200) {
+  return (void)add2, grid == TopologyGrid::h100 && candidates == 1 && !add ? kStreamBuffersOneRowH100 : kStreamBuffers;
 }
 // The buffer counts the streaming kernel is built with, per N bucket (cuda/attn_res_stream.cuh stream_instance).
 constexpr bool stream_buffers_built(int32_t bucket, int32_t buffers) {
@@ -164,14 +167,16 @@ constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 128, 1024,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-// With two addends (the MoE tail's fold, `python -m bench prefill --ops add2 --forced`): not measured yet, so
-// never (the per-token kernels, as before the persistent kernel took the second addend).
+// With two addends (the MoE tail's fold, `python -m bench prefill --ops add2 --forced`). The H100's
+// (h100_5a85df6_add2_grid.json, T = 256, 1024, 4096): N = 5, 6 from T = 256, where a token's N + 2 rows fit the
+// two-blocks ring in one pass (0.75-0.96x split_k's time); from N = 7 two passes, 1.02-1.6x split_k's; N = 3, 4
+// within 3 % of split_k at T = 4096 only. The H200's are not measured yet: never (the per-token kernels).
 constexpr int64_t kAutomaticPersistentMinTokensAdd2ByN[kMaxCandidates] = {
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMinTokensAdd2ByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 256, 256,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;

@@ -382,6 +382,44 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
       }
 }
 
+// Two addends (the MoE tail's fold): the H100's grid takes the persistent kernel at N = 5, 6 from T = 256 (one pass
+// in the two-blocks ring); the H200's is not measured yet, so never. The streaming single_cta's buffers: four on
+// the H100 where a token reads one row (N = 1 without an addend), two everywhere else.
+TEST(PlanPersistent, TwoAddendsAndStreamBuffersByGrid) {
+  using attnres::Route;
+  using tuning::TopologyGrid;
+  const int64_t never = tuning::kNeverPersistent;
+  for (int64_t n = 1; n <= 16; ++n) {
+    SCOPED_TRACE(testing::Message() << "N = " << n);
+    EXPECT_EQ(tuning::automatic_persistent_min_tokens(n, 7168, 2, TopologyGrid::h100), n == 5 || n == 6 ? 256 : never);
+    EXPECT_EQ(tuning::automatic_persistent_min_tokens(n, 7168, 2, TopologyGrid::h200), never);
+  }
+  PlanQuery q = query(AttnResOp::attn_res_add_rmsnorm, 4096, 5, 7168, true);
+  q.add2 = true;
+  EXPECT_EQ(attnres::plan(q, attnres::described_device("h100"), Options{}).kernel, KernelKind::persistent);
+  EXPECT_EQ(attnres::plan(q, attnres::described_device("h200"), Options{}).kernel, KernelKind::split_k);
+  q.tokens = 255;
+  EXPECT_EQ(attnres::plan(q, attnres::described_device("h100"), Options{}).kernel, KernelKind::split_k);
+
+  for (const bool add : {false, true})
+    for (int64_t n = 1; n <= 4; ++n) {
+      SCOPED_TRACE(testing::Message() << "N = " << n << ", add = " << add);
+      const int32_t h100 = !add && n == 1 ? 4 : 2;
+      EXPECT_EQ(tuning::stream_buffers(n, add, false, TopologyGrid::h100), h100);
+      EXPECT_EQ(tuning::stream_buffers(n, add, false, TopologyGrid::h200), 2);
+      const AttnResOp op = add ? AttnResOp::attn_res_add_rmsnorm : AttnResOp::attn_res_rmsnorm;
+      const Plan p = attnres::plan(query(op, 4096, n, 7168, add), attnres::described_device("h100"), Options{});
+      if (p.route == Route::stream) {
+        EXPECT_EQ(p.slots, h100);
+        EXPECT_EQ(p.smem_bytes, tuning::stream_smem_bytes(tuning::candidate_bucket(n), add, false, p.threads, h100));
+      }
+    }
+  const Plan one_row = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 4096, 1, 7168, false),
+                                     attnres::described_device("h100"), Options{});
+  EXPECT_EQ(one_row.route, Route::stream);
+  EXPECT_EQ(one_row.slots, 4);
+}
+
 // The automatic topology's rule, a pure function: persistent on the two-blocks geometry from the measured T for
 // the call's N, one table with the addend and one without (at H > 4096; T >= 4096 at smaller H).
 TEST(PlanPersistent, AutomaticTopologyRuleIsPure) {

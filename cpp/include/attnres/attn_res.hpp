@@ -73,11 +73,11 @@ const char* topology_name(Topology topology);
 struct Options {
   // automatic (default): where they were measured faster, the streaming single_cta (plan_tuning.hpp
   // prefer_single_cta: N <= 2, or N <= 4 without an addend on the H100, T >= 256, H > 4096, bf16) and the persistent
-  // kernel (automatic_prefers_persistent: one addend or none, T at least automatic_persistent_min_tokens(N, H, add,
-  // grid) from the GPU's grid — on the H200 128..4096 by N, never for N > 10 with the addend, N > 13 without; on
-  // the H100 N = 5..7, and 8 without the addend, only —
+  // kernel (automatic_prefers_persistent: T at least automatic_persistent_min_tokens(N, H, addends, grid) from the
+  // GPU's grid — on the H200 128..4096 by N, never for N > 10 with one addend, N > 13 without, never with two; on
+  // the H100 N = 5..7, and 8 without an addend, 5, 6 with two, only —
   // and the persistent plan for the call on two blocks per SM, where it
-  // supports the call: no add2, tap or fp32 diagnostics), else split_k at any T. Every CUDA kernel gives the same bits
+  // supports the call: no tap or fp32 diagnostics), else split_k at any T. Every CUDA kernel gives the same bits
   // (docs/ops/common.md section 8), so the choice never changes a result. per_token / persistent force one
   // family; split: per-token up to split_max_tokens, persistent above (declining what it cannot do).
   Topology topology = Topology::automatic;
