@@ -144,8 +144,9 @@ def test_stream_graph_replay_equals_eager():
 def test_every_buffer_count_gives_split_k_bits(N, buffers):
     """The token buffers (1..3 tokens in flight per block) change no bit, in every mode of both buckets: attn_res with
     its diagnostics (with and without the addend), attn_res_rmsnorm, one and two addends with the tap and the
-    snapshot write, and the prefix updated in place; a block runs 1 to 8 tokens (T past the grid by 1, 3 and
-    ~7 rounds); every output poisoned first."""
+    snapshot write, the FP8 epilogue (both scale kinds: the H100 streams N = 1 without an addend on four buffers), and
+    the prefix updated in place; a block runs 1 to 8 tokens (T past the grid by 1, 3 and ~7 rounds); every output
+    poisoned first."""
     s, H = _sms(), 7168
     opts = stream.StreamOptions(0, "single_cta", buffers=buffers)
     ref = attnres.Options(kernel="split_k")
@@ -165,13 +166,17 @@ def test_every_buffer_count_gives_split_k_bits(N, buffers):
             "add2 tap": lambda o: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *wn,
                                                                layer_residual_add2=inp.add2, return_mixture=True,
                                                                options=o),
+            "attn_res_rmsnorm fp8 per_token": lambda o: attnres.attn_res_rmsnorm(
+                inp.layer_residual, inp.block_residual, *wn, fp8="per_token", options=o),
+            "add fp8 block128": lambda o: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual,
+                                                                       *wn, fp8="block128", options=o),
         }
         before = inp.storage_snapshot()
         for name, call in calls.items():
             want = [t.clone() for t in call(ref)]
             got = call(opts)
             for t in got:
-                t.fill_(float("nan"))
+                t.view(torch.uint8).fill_(0x7F) if t.dtype == torch.float8_e4m3fn else t.fill_(float("nan"))
             got = call(opts)
             for i, (a, b) in enumerate(zip(got, want)):
                 assert_same_bits(a, b, f"{ctx}: {name} output {i} vs split_k")
