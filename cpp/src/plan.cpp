@@ -299,8 +299,8 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
                     "fp8 = block128 needs H a multiple of 128, got H = " + std::to_string(q.hidden));
 
   const bool persistent = routes_to_persistent(q, dev, o);
-  // The add2 decline is a property of the topology, on every backend, so the caller's materialize-first
-  // path is the same (and testable) on the CPU.
+  // The persistent kernel's declines (the tap, the fp32 diagnostics) are a property of the topology, on every
+  // backend, so the caller's materialize-first path is the same (and testable) on the CPU.
   if (persistent) {
     std::string why = persistent_decline(q);
     if (!why.empty()) return declined(DeclineCode::persistent_unsupported_feature, why);

@@ -553,22 +553,27 @@ TEST(GpuPersistent, SubnormalsKept) {
   expect_gpu_matches_cpu(before, gpu);
 }
 
-// add2 under the persistent topology: the plan says why, the call is refused before anything is written.
-TEST(GpuPersistent, Add2IsDeclinedAndNothingIsWritten) {
+// add2 under the persistent topology: the persistent kernel runs it (the second addend one more ring row), in
+// one pass and in two (the mixing pass from `updated`), with the CPU backend's bits and split_k's whole storage.
+TEST(GpuPersistent, Add2RunsOnThePersistentKernel) {
   REQUIRE_HOPPER();
   Config cfg = make_config(A, 300, 8, 7168, [](Config& c) { c.add2 = true; });
   cfg.seed = test_seed();
   const Case before(cfg);
-  const Options o = persistent_topology();
-  EXPECT_EQ(plan_on_gpu(before, o).decline,
-            "the persistent kernel declines layer_residual_add2: materialize layer_residual_add + "
-            "layer_residual_add2 and call the one-addend op");
-  Stream stream;
-  DeviceMirror mirror(before);
-  EXPECT_TRUE(contains(error_of<attnres::UnsupportedError>([&] { attnres::run(A, mirror.args(stream.get()), o); }),
-                       "attn_res_add_rmsnorm: the persistent kernel declines layer_residual_add2"));
-  stream.sync();
-  EXPECT_TRUE(storage_unchanged(before, mirror.download()));
+  const Case split_k = run_gpu(before, forced(KernelKind::split_k));
+  for (const int32_t passes : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "passes = " << passes);
+    Options o = persistent_topology();
+    o.persistent_blocks_per_sm = 1;  // 16 slots: N = 8's ten rows fit one pass
+    o.persistent_passes = passes;
+    const attnres::Plan p = plan_on_gpu(before, o);
+    ASSERT_TRUE(p.accepted()) << p.decline;
+    ASSERT_EQ(p.kernel, KernelKind::persistent);
+    EXPECT_EQ(p.passes, passes);
+    const Case gpu = run_gpu(before, o);
+    expect_gpu_matches_cpu(before, gpu);
+    EXPECT_TRUE(storage_unchanged(gpu, split_k));
+  }
 }
 
 #endif  // ATTNRES_WITH_CUDA
