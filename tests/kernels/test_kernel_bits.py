@@ -190,3 +190,53 @@ def test_the_comparison_sees_a_different_order():
                         options=attnres.Options(kernel="split_k")).cluster == 7
     assert _same_bits(default[0], other[0]), "updated is exact on every kernel"
     assert not _same_bits(default[1], other[1]), "a different summation order changed no output bit"
+
+
+CANDIDATE_BUCKETS = (2, 4, 9, 12, 16)  # attnres/limits.hpp kCandidateBuckets
+
+
+def _negative_zero_inputs(T: int, N: int, H: int, addends: int, e: int) -> Inputs:
+    """Inputs whose mixture element `e` is -0 after the N real candidates: the bank rows are +1 with -0 at e
+    (each adds fma(p, -0, +0) = +0), and P, the last candidate, is +1 with 21 elements -1 (its logit about 42 below
+    the bank rows', so p ~ 2^-60) and -2^-100 at e, whose product with p rounds to -0. Weights 1; the addends -0
+    (P = prefix + -0 = prefix)."""
+    inp = _inputs(T, N, H, "snapshot_major", addends, seed=N * 7 + H)
+    for w in (inp.res_weight, inp.rms_weight, inp.norm_weight):
+        w.fill_(1.0)
+    inp.block_residual.fill_(1.0)
+    inp.block_residual[:, :, e] = -0.0
+    inp.layer_residual.fill_(1.0)
+    inp.layer_residual[:, H - 21:] = -1.0
+    inp.layer_residual[:, e] = -(2.0 ** -100)
+    for add in (inp.add, inp.add2):
+        if add is not None:
+            add.fill_(-0.0)
+    return inp
+
+
+@pytest.mark.parametrize("addends", [0, 1, 2])
+@pytest.mark.parametrize("H", [1024, 7168])
+def test_a_mixture_over_a_padded_bucket_adds_plus_zero(H, addends):
+    """The mixture's bits are those of the whole N bucket: each row past N adds fma(+0, +0, acc), turning a -0
+    element into +0 (the per-token and streaming kernels mix the whole bucket; the persistent kernel adds +0 once,
+    `mix_pad`). So a mixture element that is -0 after the real candidates stays -0 where N is a bucket and becomes
+    +0 where it is not, on every kernel; and the normed output (weight 1) keeps that sign. Random inputs never
+    reach this case, so the bit comparisons above cannot see a kernel that drops the padding."""
+    T, e = 3, 5
+    checked = 0
+    for N in range(2, 17):
+        inp = _negative_zero_inputs(T, N, H, addends, e)
+        negative = N in CANDIDATE_BUCKETS
+        for op in _ops(addends):
+            for name, opts in {REFERENCE: attnres.Options(kernel=REFERENCE), **FORCED}.items():
+                if not op.plan(inp, opts).accepted:
+                    continue
+                result = op(inp, opts)
+                # The mixture (attn_res: first after `updated`, before the diagnostics; the tap: last) or the
+                # normed output.
+                mixed = result[op.addends >= 1] if op.name == "attn_res" else result[-1]
+                bits = mixed[:, e].contiguous().view(torch.int16).tolist()
+                want = -32768 if negative else 0  # bf16 -0 (0x8000) / +0
+                assert bits == [want] * T, f"{op} {name} N={N} H={H}: element {e} bits {bits}, want {want}"
+                checked += 1
+    assert checked >= 15 * (4 if addends == 0 else 3), checked
