@@ -192,7 +192,7 @@ def test_the_comparison_sees_a_different_order():
     assert not _same_bits(default[1], other[1]), "a different summation order changed no output bit"
 
 
-CANDIDATE_BUCKETS = (2, 4, 9, 12, 16)  # attnres/limits.hpp kCandidateBuckets
+CANDIDATE_BUCKETS = tuple(attnres._C.limits["candidate_buckets"])  # attnres/limits.hpp kCandidateBuckets
 
 
 def _negative_zero_inputs(T: int, N: int, H: int, addends: int, e: int) -> Inputs:
