@@ -141,9 +141,41 @@ def fastest_forced(records: list[dict]) -> dict[tuple[str, int, int], dict]:
     return out
 
 
+# The margin of the automatic topology's two-addend rows (tuning::automatic_persistent_min_tokens): the persistent
+# kernel is taken where it ran at least 3 % faster than every other kernel, beyond the harness's resolution.
+PERSISTENT_MARGIN = 0.97
+
+
+def persistent_from(records: list[dict], op: str) -> dict[int, int | None]:
+    """N -> the smallest measured T from which the forced persistent kernel ran at most PERSISTENT_MARGIN times the
+    fastest other forced kernel at that T and at every larger measured T (None: at no T), for the N of `op` that
+    --forced measured with the persistent kernel: the rule the two-addend rows of the automatic topology's table
+    were taken by."""
+    ratio: dict[tuple[int, int], float] = {}
+    for (o, T, N), times in forced_times(records).items():
+        if o == op and "persistent" in times and len(times) > 1:
+            ratio[(N, T)] = times["persistent"] / min(us for k, us in times.items() if k != "persistent")
+    out = {}
+    for N in sorted({n for n, _ in ratio}):
+        tokens = sorted(t for n, t in ratio if n == N)
+        out[N] = next((T for i, T in enumerate(tokens)
+                       if all(ratio[(N, t)] <= PERSISTENT_MARGIN for t in tokens[i:])), None)
+    return out
+
+
+def forced_times(records: list[dict]) -> dict[tuple[str, int, int], dict[str, float]]:
+    """(op, T, N) -> {forced kernel: its median µs} (runs with --forced)."""
+    out: dict[tuple[str, int, int], dict[str, float]] = {}
+    for r in _records(records, None):
+        if r["provider"] != "attnres/default":
+            out.setdefault((r["op"], r["T"], r["N"]), {})[r["provider"].split("/")[1]] = r["median_us"]
+    return out
+
+
 def summary(records: list[dict]) -> list[str]:
     """Per op: a row per N, a column per T with the default's µs, its share of the copy rate and its kernel; with
-    --forced, '(k x.xx)' where a forced kernel k was faster than the default by more than 3 % (x: default / k)."""
+    --forced, '(k x.xx)' where a forced kernel k was faster than the default by more than 3 % (x: default / k), and
+    under each op the persistent kernel's threshold per N (persistent_from)."""
     rec = _records(records)
     if not rec:
         return []
@@ -168,4 +200,9 @@ def summary(records: list[dict]) -> list[str]:
                     text += f" ({b['provider'].split('/')[1]} {r['median_us'] / b['median_us']:.2f})"
                 row += text.rjust(44 if best else 34)
             lines.append(row)
+        start = persistent_from(records, op)
+        if start:
+            lines.append(f"  the persistent kernel >= {1 / PERSISTENT_MARGIN - 1:.0%} faster than the other kernels "
+                         "from T (at every larger T; '-': at none): "
+                         + ", ".join(f"N={N}: {'-' if T is None else T}" for N, T in start.items()))
     return lines

@@ -170,7 +170,9 @@ constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
 // With two addends (the MoE tail's fold, `python -m bench prefill --ops add2 --forced`). The H100's
 // (h100_5a85df6_add2_grid.json, T = 256, 1024, 4096): N = 5, 6 from T = 256, where a token's N + 2 rows fit the
 // two-blocks ring in one pass (0.75-0.96x split_k's time); from N = 7 two passes, 1.02-1.8x split_k's; N = 3, 4
-// within 3 % of split_k at T = 4096 only. The H200's are not measured yet: never (the per-token kernels).
+// within 3 % of split_k at T = 4096 only. The rule: from the smallest measured T where the persistent kernel ran
+// >= 3 % faster than every other kernel there and at every larger T (bench/prefill.py persistent_from, which the
+// --forced run prints). The H200's are not measured yet: never (the per-token kernels).
 constexpr int64_t kAutomaticPersistentMinTokensAdd2ByN[kMaxCandidates] = {
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,

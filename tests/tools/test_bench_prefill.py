@@ -124,3 +124,32 @@ def test_the_suite_runs_on_the_cpu_backend(monkeypatch):
     r = recs[0]
     assert r["bytes"] == prefill.op_bytes("mix", 5, 1, 64) and r["gbps"] == pytest.approx(r["bytes"] / 10e-6 / 1e9)
     assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / 4000.0) and r["kernel"] == "split_k"
+
+
+def test_persistent_from_reads_the_rule_of_the_two_addend_table():
+    """persistent_from on synthetic records: the threshold holds at every larger T, and the margin is strict."""
+    def forced(N, T, persistent, split_k):
+        return [_rec("add2", T, N, 90.0, persistent, "attnres/persistent"),
+                _rec("add2", T, N, 90.0, split_k, "attnres/split_k"), _rec("add2", T, N, 90.0, split_k)]
+    records = (forced(5, 256, 9.0, 10.0) + forced(5, 1024, 30.0, 40.0) + forced(6, 256, 9.0, 10.0)
+               + forced(6, 1024, 39.0, 40.0) + forced(7, 256, 11.0, 10.0) + forced(7, 1024, 38.0, 40.0)
+               + [_rec("add", 256, 5, 90.0, 1.0, "attnres/persistent")])  # another op, no other kernel
+    assert prefill.persistent_from(records, "add2") == {5: 256, 6: None, 7: 1024}
+    assert prefill.persistent_from(records, "add") == {}
+    assert any("N=5: 256, N=6: -, N=7: 1024" in line for line in prefill.summary(records))
+
+
+def test_the_h100_two_addend_table_follows_its_grid():
+    """The H100's shipped two-addend thresholds are the rule applied to the grid committed for them: at every
+    measured (T, N) the default plan of a described H100 takes the persistent kernel exactly where the rule says."""
+    import json
+    from pathlib import Path
+
+    grid = Path(__file__).resolve().parents[2] / "bench_results" / "h100_5a85df6_add2_grid.json"
+    records = json.loads(grid.read_text())["records"]
+    start = prefill.persistent_from(records, "add2")
+    assert sorted(start) == list(range(1, 17))
+    for N, T0 in start.items():
+        for T in sorted({r["T"] for r in records}):
+            kernel = prefill.plan("add2", T, N, 7168, device="h100").kernel
+            assert (kernel == "persistent") == (T0 is not None and T >= T0), (N, T, kernel, T0)
