@@ -12,6 +12,10 @@
 # world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
 # the symmetric-memory one-shot floor in a process of its own);
 # teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
+# grids: the runs the per-GPU defaults are read from: two addends on every kernel (`bench prefill --ops add2
+# --forced`, T = 256, 1024, 4096: its per-N persistent threshold is the two-addend table's row) and the streaming
+# token buffers (`bench stream`, T = 1024, 4096); engines: tools/engines/refresh_tables.sh (build/engines carried:
+# docs/integrations.md), which writes this GPU's engine tables into the tree and runs the engines' own tests;
 # bench: build + the benchmark suites; full: all of it; profile: ncu durations and stall sampling; build (or any
 # other word): the build alone. The machine has no network: it builds with the
 # preinstalled nanobind/scikit-build-core (--no-build-isolation) and, for ctest, a GoogleTest carried in
@@ -178,6 +182,17 @@ fi
 if has teeth; then
   step "PDL release: tests/kernels/test_pdl_release.py against an entry-release mutant (tools/pdl_teeth.sh) must fail"
   OUT="$OUT" tools/pdl_teeth.sh || status=1
+fi
+if has grids; then
+  step "the per-GPU defaults' grids: two addends on every kernel, then the streaming token buffers"
+  timeout -s INT -k 20 "${GRIDS_WALL:-240}" python3 -m bench prefill --ops add2 --forced --tokens 256,1024,4096 \
+    --out "$OUT/add2_grid.json" 2>&1 | grep -v "━" | tail -22 || status=1
+  timeout -s INT -k 20 "${GRIDS_WALL:-240}" python3 -m bench stream --tokens 1024,4096 \
+    --out "$OUT/stream_buffers.json" 2>&1 | grep -v "━" | tail -40 || status=1
+fi
+if has engines; then
+  step "the engines' tables and their own tests (tools/engines/refresh_tables.sh)"
+  OUT="$OUT/engine_tables" timeout "${ENGINES_WALL:-300}" tools/engines/refresh_tables.sh 2>&1 | tail -8 || status=1
 fi
 if has bench full; then
   step "benchmarks"
