@@ -193,6 +193,9 @@ fi
 if has engines; then
   step "the engines' tables and their own tests (tools/engines/refresh_tables.sh)"
   OUT="$OUT/engine_tables" timeout "${ENGINES_WALL:-300}" tools/engines/refresh_tables.sh 2>&1 | tail -8 || status=1
+  # The tables it wrote into this tree, and its results, as one archive (the device tool returns few files).
+  cp -r python/attnres/integrations/tables "$OUT/engine_tables/tables"
+  tar czf "$OUT/engine_tables.tgz" -C "$OUT" engine_tables && rm -rf "$OUT/engine_tables"
 fi
 if has bench full; then
   step "benchmarks"
