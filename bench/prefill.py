@@ -131,14 +131,18 @@ def target(records: list[dict]) -> tuple[str, str, str, bool] | None:
             measured, not short)
 
 
+def forced(records: list[dict]) -> dict[tuple[str, int, int], dict[str, dict]]:
+    """(op, T, N) -> {forced kernel: its record} (runs with --forced)."""
+    out: dict[tuple[str, int, int], dict[str, dict]] = {}
+    for r in _records(records, None):
+        if r["provider"] != "attnres/default":
+            out.setdefault((r["op"], r["T"], r["N"]), {})[r["provider"].split("/")[1]] = r
+    return out
+
+
 def fastest_forced(records: list[dict]) -> dict[tuple[str, int, int], dict]:
     """(op, T, N) -> the record of the fastest forced kernel at the point (runs with --forced)."""
-    out = {}
-    for r in _records(records, None):
-        key = (r["op"], r["T"], r["N"])
-        if r["provider"] != "attnres/default" and (key not in out or r["median_us"] < out[key]["median_us"]):
-            out[key] = r
-    return out
+    return {key: min(by_kernel.values(), key=lambda r: r["median_us"]) for key, by_kernel in forced(records).items()}
 
 
 # The margin of the automatic topology's two-addend rows (tuning::automatic_persistent_min_tokens): the persistent
@@ -152,23 +156,15 @@ def persistent_from(records: list[dict], op: str) -> dict[int, int | None]:
     --forced measured with the persistent kernel: the rule the two-addend rows of the automatic topology's table
     were taken by."""
     ratio: dict[tuple[int, int], float] = {}
-    for (o, T, N), times in forced_times(records).items():
-        if o == op and "persistent" in times and len(times) > 1:
-            ratio[(N, T)] = times["persistent"] / min(us for k, us in times.items() if k != "persistent")
+    for (o, T, N), by_kernel in forced(records).items():
+        others = [r["median_us"] for k, r in by_kernel.items() if k != "persistent"]
+        if o == op and "persistent" in by_kernel and others:
+            ratio[(N, T)] = by_kernel["persistent"]["median_us"] / min(others)
     out = {}
     for N in sorted({n for n, _ in ratio}):
         tokens = sorted(t for n, t in ratio if n == N)
         out[N] = next((T for i, T in enumerate(tokens)
                        if all(ratio[(N, t)] <= PERSISTENT_MARGIN for t in tokens[i:])), None)
-    return out
-
-
-def forced_times(records: list[dict]) -> dict[tuple[str, int, int], dict[str, float]]:
-    """(op, T, N) -> {forced kernel: its median µs} (runs with --forced)."""
-    out: dict[tuple[str, int, int], dict[str, float]] = {}
-    for r in _records(records, None):
-        if r["provider"] != "attnres/default":
-            out.setdefault((r["op"], r["T"], r["N"]), {})[r["provider"].split("/")[1]] = r["median_us"]
     return out
 
 
