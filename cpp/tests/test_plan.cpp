@@ -121,6 +121,31 @@ TEST(PlanCuda, SplitKFromFiveCandidatesMeasuredChoiceBelow) {
       }
 }
 
+// The FP8 epilogue keeps split_k on N's bucket (only the bf16 cluster instances are built per exact N), and so
+// does a cluster of one block (H <= 1024), which runs the one-block instance.
+TEST(PlanCuda, ExactInstancesOnlyForBf16Clusters) {
+  for (int64_t N = 1; N <= 16; ++N) {
+    const int32_t bucket = tuning::candidate_bucket(N);
+    PlanQuery q = query(AttnResOp::attn_res_rmsnorm, 2, N, 7168);
+    Options o;
+    o.kernel = KernelKind::split_k;
+    const Plan bf16 = attnres::plan(q, h200(), o);
+    ASSERT_TRUE(bf16.accepted()) << bf16.decline;
+    EXPECT_GT(bf16.cluster, 1);
+    EXPECT_EQ(bf16.max_candidates, N >= 3 ? N : bucket) << "N=" << N;
+    for (Fp8Scales f : {Fp8Scales::per_token, Fp8Scales::block128}) {
+      q.fp8 = f;
+      const Plan fp8 = attnres::plan(q, h200(), o);
+      ASSERT_TRUE(fp8.accepted()) << fp8.decline;
+      EXPECT_EQ(fp8.max_candidates, bucket) << "N=" << N;
+    }
+    const Plan one_block = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 2, N, 1024), h200(), o);
+    ASSERT_TRUE(one_block.accepted()) << one_block.decline;
+    EXPECT_EQ(one_block.cluster, 1);
+    EXPECT_EQ(one_block.max_candidates, bucket) << "N=" << N;
+  }
+}
+
 // The automatic choice over every supported shape class: the persistent kernel exactly where its rule
 // (tuning::automatic_prefers_persistent, on the plan's geometry) takes it, the per-token choice elsewhere.
 TEST(PlanCuda, AutomaticChoiceFollowsTheTuningRule) {
@@ -162,11 +187,12 @@ TEST(PlanCuda, GeometryCoversHiddenWithinLimits) {
           EXPECT_GT(p.threads, 0);
           EXPECT_EQ(p.threads % 32, 0);
           EXPECT_GE(p.vectors, 1);
-          // The smallest compiled bucket that holds N (registers per thread scale with the bucket).
+          // split_k on a cluster from N = 3: the instance built for N itself; otherwise the smallest compiled
+          // bucket that holds N (registers per thread scale with the bucket).
           int32_t bucket = 0;
           for (int32_t b : tuning::kCandidateBuckets)
             if (bucket == 0 && b >= N) bucket = b;
-          EXPECT_EQ(p.max_candidates, bucket);
+          EXPECT_EQ(p.max_candidates, p.kernel == KernelKind::split_k && p.cluster > 1 && N >= 3 ? N : bucket);
           EXPECT_EQ(p.pdl, pdl);
           if (p.kernel == KernelKind::single_cta) {
             EXPECT_EQ(p.cluster, 1);

@@ -158,7 +158,9 @@ struct Plan {
   int32_t cluster = 1;
   int32_t threads = 0;
   int32_t vectors = 1;
-  int32_t max_candidates = 0;  // compile-time bucket of N the kernel instance is built for
+  // The N the kernel instance is built for: N itself for split_k's bf16 clusters from N = 3, else N's bucket
+  // (kCandidateBuckets); 16 for the persistent kernel (N a runtime value).
+  int32_t max_candidates = 0;
   bool pdl = false;
   // persistent: `blocks` blocks (at most `blocks_per_sm` per SM, never more than T) of `threads` threads
   // (consumer warps + one producer warp; each consumer thread owns `vectors` 16-byte slices of every row), a

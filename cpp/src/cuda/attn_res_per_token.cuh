@@ -44,6 +44,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "attnres/limits.hpp"
 #include "cuda/attn_res_params.cuh"
@@ -221,8 +222,9 @@ template <int NMAX, bool CLUSTER>
 constexpr int kMaxThreadsOf = CLUSTER || NMAX > 4 ? kSplitKMaxThreads : kSingleCtaMaxThreads;
 
 // FP8: the e4m3 epilogue after the trailing norm (norm modes only), a compile-time variant so the bf16-only
-// instances carry none of it.
-template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none>
+// instances carry none of it. EXACT: N = NMAX, a compile-time constant (tuning::split_k_exact), so every
+// `n < N` below folds and no padded row costs an instruction; otherwise N = p.snapshots + 1 <= NMAX.
+template <int NMAX, Mode MODE, bool CLUSTER, Fp8Mode FP8 = Fp8Mode::none, bool EXACT = false>
 __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {
   namespace cg = cooperative_groups;
@@ -265,7 +267,7 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     cluster_arrive_relaxed();
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, warps = blockDim.x >> 5;
-  const int K = p.snapshots, N = K + 1;
+  const int K = EXACT ? NMAX - 1 : p.snapshots, N = K + 1;
   // split_k: vector rank * chunk + tid. One block: chunk tid / kChunkThreads, kChunkThreads threads each.
   const int chunk_tid = CLUSTER ? tid : tid % kChunkThreads;
   const int vec = (CLUSTER ? rank : tid / kChunkThreads) * p.chunk + chunk_tid;
@@ -448,7 +450,13 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
     for (int n = 0; n < NMAX; ++n) {
       float x[8];
       // Candidate n: bank row n < K, P at n = K, zero past it (two phases: P is merged into rows[K] above).
-      unpack8(kTwoPhases ? rows[n] : (n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0))), x);
+      uint4 row = kTwoPhases ? rows[n] : (n < K ? rows[n] : (n == K ? prefix : make_uint4(0, 0, 0, 0)));
+      // EXACT: the rows the early phase scored reach here unchanged, and the compiler kept their unpacked
+      // floats alive from the scores to the mixture (8 registers a row instead of 4: 194 at N = 16, half the
+      // blocks per SM). Opaque, the row is unpacked again here (2 integer ops a pair). The bucket's rows K-1
+      // and K are merged at run time, so it never reused them.
+      if constexpr (EXACT) row = opaque(row);
+      unpack8(row, x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
     }
@@ -493,19 +501,54 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   // mbarrier waits returned, and it pushes nothing after them.
 }
 
-// The instance for N bucket `max_candidates` (nullptr for none), one case per entry of kCandidateBuckets
-// (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. Used by the
-// per-token launchers (cuda/attn_res_launch.cu, cuda/attn_res_mix_add_instances.cu).
+// split_k's bf16 cluster instance of mode M for exactly `candidates` candidates (tuning::split_k_exact; nullptr
+// outside [kSplitKExactMinCandidates, kMaxCandidates]). Defined once per mode in the exact-instance translation
+// units (cuda/attn_res_exact_instances_*.cu), which compile in parallel; every other unit sees only the extern
+// declarations below.
+template <Mode M, int... I>
+PerTokenKernel exact_instance_of(int candidates, std::integer_sequence<int, I...>) {
+  PerTokenKernel kernel = nullptr;
+  ((candidates == tuning::kSplitKExactMinCandidates + I
+        ? (kernel = attn_res_per_token_kernel<tuning::kSplitKExactMinCandidates + I, M, true, Fp8Mode::none, true>)
+        : kernel),
+   ...);
+  return kernel;
+}
+template <Mode M>
+PerTokenKernel exact_instance(int candidates) {
+  return exact_instance_of<M>(candidates, std::make_integer_sequence<int, kMaxCandidates - tuning::kSplitKExactMinCandidates + 1>{});
+}
+extern template PerTokenKernel exact_instance<Mode::mix>(int);
+extern template PerTokenKernel exact_instance<Mode::norm>(int);
+extern template PerTokenKernel exact_instance<Mode::add>(int);
+extern template PerTokenKernel exact_instance<Mode::add2>(int);
+extern template PerTokenKernel exact_instance<Mode::mix_add>(int);
+extern template PerTokenKernel exact_instance<Mode::mix_add2>(int);
+
+// The instance for the plan's `max_candidates` (nullptr for none): split_k's bf16 clusters from
+// kSplitKExactMinCandidates the exact-N instance, otherwise one case per entry of kCandidateBuckets
+// (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. The bf16 cluster
+// instances of the buckets the exact ones replace are never built. Used by the per-token launchers
+// (cuda/attn_res_launch.cu, cuda/attn_res_mix_add_instances.cu).
 template <Mode M, bool CLUSTER, Fp8Mode F>
-auto per_token_instance(int max_candidates) -> void (*)(PerTokenParams) {
+auto per_token_instance(int max_candidates) -> PerTokenKernel {
   static_assert(kNumCandidateBuckets == 5, "one case per candidate bucket");
-  switch (max_candidates) {
-    case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>;
-    case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F>;
-    case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F>;
-    case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F>;
-    case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F>;
-    default: return nullptr;
+  static_assert(kCandidateBuckets[0] < tuning::kSplitKExactMinCandidates &&
+                    kCandidateBuckets[1] >= tuning::kSplitKExactMinCandidates,
+                "the exact instances replace every bucket but the first");
+  if constexpr (tuning::split_k_exact(CLUSTER, F != Fp8Mode::none, kMaxCandidates)) {
+    if (max_candidates >= tuning::kSplitKExactMinCandidates) return exact_instance<M>(max_candidates);
+    return max_candidates == kCandidateBuckets[0] ? attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>
+                                                  : nullptr;
+  } else {
+    switch (max_candidates) {
+      case kCandidateBuckets[0]: return attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>;
+      case kCandidateBuckets[1]: return attn_res_per_token_kernel<kCandidateBuckets[1], M, CLUSTER, F>;
+      case kCandidateBuckets[2]: return attn_res_per_token_kernel<kCandidateBuckets[2], M, CLUSTER, F>;
+      case kCandidateBuckets[3]: return attn_res_per_token_kernel<kCandidateBuckets[3], M, CLUSTER, F>;
+      case kCandidateBuckets[4]: return attn_res_per_token_kernel<kCandidateBuckets[4], M, CLUSTER, F>;
+      default: return nullptr;
+    }
   }
 }
 

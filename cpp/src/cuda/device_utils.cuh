@@ -45,6 +45,13 @@ __device__ __forceinline__ void unpack8(uint4 v, float (&f)[8]) {
 
 // One vector's (sum of squares, dot with q) — a candidate row's partial sums in every AttnRes kernel: fma chains
 // over its 8 elements in order.
+// `v`, which the compiler can no longer prove equal to any earlier value: what is computed from it is
+// recomputed, not kept alive from before (no instruction).
+__device__ __forceinline__ uint4 opaque(uint4 v) {
+  asm volatile("" : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w));
+  return v;
+}
+
 __device__ __forceinline__ void vector_scores(uint4 x, const float (&q)[8], float& ss, float& dot) {
   float f[8];
   unpack8(x, f);
