@@ -444,8 +444,8 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   float mix[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   uint4 mixed = make_uint4(0, 0, 0, 0);
   if (valid) {
-    // Unconditional over the bucket: past N the probability and the row are zero, and a sum that starts at
-    // +0 is unchanged by +0 (no -0 can arise under round-to-nearest).
+    // Unconditional over the bucket: past N the probability and the row are zero, so each such row adds +0,
+    // which changes no element but a -0 (to +0).
 #pragma unroll
     for (int n = 0; n < NMAX; ++n) {
       float x[8];
@@ -459,6 +459,13 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
       unpack8(row, x);
 #pragma unroll
       for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
+    }
+    if constexpr (EXACT && tuning::candidate_bucket(NMAX) != NMAX) {
+      // N's bucket mixes rows past N as fma(+0, +0, acc) = acc + 0, which turns a -0 element into +0; one + 0
+      // repeats that (as the persistent kernel's mix_pad does), so every kernel gives the bucket's bits
+      // (tests/kernels/test_kernel_bits.py test_a_mixture_over_a_padded_bucket_adds_plus_zero).
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mix[e] += 0.0f;
     }
     mixed = pack8(mix);
     unpack8(mixed, mix);  // from here on the mixture is its bf16 value
