@@ -383,7 +383,7 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
                       std::to_string(p.threads) + " threads per block for H = " + std::to_string(q.hidden) +
                       " (the kernel is built for <= " + std::to_string(tuning::kSplitKMaxThreads) +
                       "): use a larger cluster");
-    if (tuning::split_k_exact(p.cluster > 1, q.fp8 != Fp8Scales::none, q.candidates))
+    if (tuning::split_k_exact(p.cluster > 1, q.candidates))
       p.max_candidates = static_cast<int32_t>(q.candidates);
   }
   return p;

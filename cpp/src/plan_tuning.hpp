@@ -30,16 +30,14 @@ constexpr int32_t candidate_bucket(int64_t n) {
   return kCandidateBuckets[kNumCandidateBuckets - 1];
 }
 
-// split_k's bf16 launches on a cluster run an instance built for the exact N from this N up, not for N's bucket:
-// K is then a compile-time constant, so no loop over the candidates carries a padded row (its predicated load,
-// its scores, its exp, its fma into the mixture) and the rows take only N's registers. Within a bucket the
-// padded instance's time barely moved with N (docs/performance.md, "Exact N"). The bits are the bucket's: every
-// padded term was +0 added to a sum that started at +0. N <= 2 keeps the bucket of 2 (nothing to drop), the
-// FP8 epilogue and the one-block launches keep the buckets (three times the instances for each).
+// split_k's launches on a cluster run an instance built for the exact N from this N up, not for N's bucket: K
+// is then a compile-time constant, so no loop over the candidates carries a padded row (its predicated load, its
+// scores, its exp, its fma into the mixture) and the rows take only N's registers. Within a bucket the padded
+// instance's time barely moved with N (docs/performance.md, "Exact N"). The bits are the bucket's (the instance
+// repeats the padding's one effect, +0 on the mixture). N <= 2 keeps the bucket of 2 (nothing to drop), and the
+// one-block launches (single_cta, a cluster of one) keep the buckets.
 constexpr int32_t kSplitKExactMinCandidates = 3;
-constexpr bool split_k_exact(bool cluster, bool fp8, int64_t n) {
-  return cluster && !fp8 && n >= kSplitKExactMinCandidates;
-}
+constexpr bool split_k_exact(bool cluster, int64_t n) { return cluster && n >= kSplitKExactMinCandidates; }
 
 // The persistent kernel (cuda/attn_res_persistent.cuh, persistent_layout.hpp). Automatic geometry: two blocks
 // per SM, each with a ring in half the SM's shared memory, wherever that geometry exists

@@ -121,28 +121,25 @@ TEST(PlanCuda, SplitKFromFiveCandidatesMeasuredChoiceBelow) {
       }
 }
 
-// The FP8 epilogue keeps split_k on N's bucket (only the bf16 cluster instances are built per exact N), and so
-// does a cluster of one block (H <= 1024), which runs the one-block instance.
-TEST(PlanCuda, ExactInstancesOnlyForBf16Clusters) {
+// split_k on a cluster runs the instance built for N itself from N = 3, with or without the FP8 epilogue; a
+// cluster of one block (H <= 1024) runs the one-block instance of N's bucket.
+TEST(PlanCuda, ExactInstancesForClusters) {
   for (int64_t N = 1; N <= 16; ++N) {
-    const int32_t bucket = tuning::candidate_bucket(N);
+    const int32_t want = N >= 3 ? static_cast<int32_t>(N) : tuning::candidate_bucket(N);
     PlanQuery q = query(AttnResOp::attn_res_rmsnorm, 2, N, 7168);
     Options o;
     o.kernel = KernelKind::split_k;
-    const Plan bf16 = attnres::plan(q, h200(), o);
-    ASSERT_TRUE(bf16.accepted()) << bf16.decline;
-    EXPECT_GT(bf16.cluster, 1);
-    EXPECT_EQ(bf16.max_candidates, N >= 3 ? N : bucket) << "N=" << N;
-    for (Fp8Scales f : {Fp8Scales::per_token, Fp8Scales::block128}) {
+    for (Fp8Scales f : {Fp8Scales::none, Fp8Scales::per_token, Fp8Scales::block128}) {
       q.fp8 = f;
-      const Plan fp8 = attnres::plan(q, h200(), o);
-      ASSERT_TRUE(fp8.accepted()) << fp8.decline;
-      EXPECT_EQ(fp8.max_candidates, bucket) << "N=" << N;
+      const Plan p = attnres::plan(q, h200(), o);
+      ASSERT_TRUE(p.accepted()) << p.decline;
+      EXPECT_GT(p.cluster, 1);
+      EXPECT_EQ(p.max_candidates, want) << "N=" << N << " fp8 " << static_cast<int>(f);
     }
     const Plan one_block = attnres::plan(query(AttnResOp::attn_res_rmsnorm, 2, N, 1024), h200(), o);
     ASSERT_TRUE(one_block.accepted()) << one_block.decline;
     EXPECT_EQ(one_block.cluster, 1);
-    EXPECT_EQ(one_block.max_candidates, bucket) << "N=" << N;
+    EXPECT_EQ(one_block.max_candidates, tuning::candidate_bucket(N)) << "N=" << N;
   }
 }
 

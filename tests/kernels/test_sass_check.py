@@ -133,13 +133,12 @@ def _assert_every_instance_passes(sass: str, minimum: int = 28) -> None:
 
 @pytest.mark.skipif(_cuda_tool("nvcc") is None, reason="no nvcc on this machine")
 @pytest.mark.skipif(_cuda_tool("nvdisasm") is None, reason="no nvdisasm (CUDA toolkit or nvidia-cuda-nvdisasm wheel)")
-@pytest.mark.parametrize("source,instances", [
-    ("attn_res_launch.cu", 84), ("attn_res_mix_add_instances.cu", 12), ("attn_res_exact_instances_mix.cu", 28),
-    ("attn_res_exact_instances_add.cu", 28), ("attn_res_exact_instances_mix_add.cu", 28)])
+@pytest.mark.parametrize("source,instances", [("attn_res_launch.cu", 60), ("attn_res_mix_add_instances.cu", 12)] + [
+    (f"attn_res_exact_instances_{name}.cu", 28) for name in ("mix", "add", "mix_add", "fp8_norm", "fp8_add", "fp8_add2")])
 def test_compiled_kernels_pass(tmp_path, source, instances):
     """Compile a file of per-token instances for sm_90 as the library build does and check every instance: the
-    launcher's (the modes with a norm, and attn_res without an addend), attn_res with addends', and split_k's bf16
-    cluster instances per exact N (N = 3..16, two modes a file). 180 in all."""
+    launcher's (the modes with a norm, and attn_res without an addend, N's bucket), attn_res with addends', and
+    split_k's cluster instances per exact N (N = 3..16, two variants a file). 240 in all."""
     include = tmp_path / "include" / "attnres"
     include.mkdir(parents=True)
     template = (_REPO / "cpp" / "include" / "attnres" / "version.hpp.in").read_text()

@@ -216,7 +216,7 @@ def _geometry_ok(p, N, H):
     assert p.threads % 32 == 0 and p.threads >= 32, p
     assert p.cluster >= 1, p
     assert p.cluster * p.threads * max(p.vectors, 1) * 8 >= H, f"{p} does not cover H = {H}"
-    # The N the kernel instance is built for: N itself on split_k's bf16 clusters from N = 3, else N's bucket.
+    # The N the kernel instance is built for: N itself on split_k's clusters from N = 3, else N's bucket.
     assert N <= p.max_candidates <= 16, p
     if p.kernel == "split_k" and p.cluster > 1 and N >= 3:
         assert p.max_candidates == N, p

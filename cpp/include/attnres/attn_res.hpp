@@ -158,7 +158,7 @@ struct Plan {
   int32_t cluster = 1;
   int32_t threads = 0;
   int32_t vectors = 1;
-  // The N the kernel instance is built for: N itself for split_k's bf16 clusters from N = 3, else N's bucket
+  // The N the kernel instance is built for: N itself for split_k on a cluster from N = 3, else N's bucket
   // (kCandidateBuckets); 16 for the persistent kernel (N a runtime value).
   int32_t max_candidates = 0;
   bool pdl = false;

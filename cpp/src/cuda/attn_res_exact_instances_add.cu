@@ -5,7 +5,7 @@
 
 namespace attnres::detail {
 
-template PerTokenKernel exact_instance<Mode::add>(int);
-template PerTokenKernel exact_instance<Mode::add2>(int);
+template PerTokenKernel exact_instance<Mode::add, Fp8Mode::none>(int);
+template PerTokenKernel exact_instance<Mode::add2, Fp8Mode::none>(int);
 
 }  // namespace attnres::detail

@@ -5,7 +5,7 @@
 
 namespace attnres::detail {
 
-template PerTokenKernel exact_instance<Mode::mix>(int);
-template PerTokenKernel exact_instance<Mode::norm>(int);
+template PerTokenKernel exact_instance<Mode::mix, Fp8Mode::none>(int);
+template PerTokenKernel exact_instance<Mode::norm, Fp8Mode::none>(int);
 
 }  // namespace attnres::detail

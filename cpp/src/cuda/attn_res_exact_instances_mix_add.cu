@@ -5,7 +5,7 @@
 
 namespace attnres::detail {
 
-template PerTokenKernel exact_instance<Mode::mix_add>(int);
-template PerTokenKernel exact_instance<Mode::mix_add2>(int);
+template PerTokenKernel exact_instance<Mode::mix_add, Fp8Mode::none>(int);
+template PerTokenKernel exact_instance<Mode::mix_add2, Fp8Mode::none>(int);
 
 }  // namespace attnres::detail

@@ -99,9 +99,9 @@ void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
   const PerTokenParams params = make_per_token_params(a, plan);
   // An exact-N instance computes N = plan.max_candidates whatever the arguments hold: the two must agree.
   const int N = params.snapshots + 1;
-  if (plan.max_candidates != (tuning::split_k_exact(cluster, a.fp8 != Fp8Scales::none, N) ? N : tuning::candidate_bucket(N)))
-    throw UnsupportedError(std::string(op_name(op)) + ": the plan's N instance " + std::to_string(plan.max_candidates) +
-                           " does not fit the call's N = " + std::to_string(N));
+  if (plan.max_candidates != (tuning::split_k_exact(cluster, N) ? N : tuning::candidate_bucket(N)))
+    throw UnsupportedError(std::string(op_name(op)) + ": the plan's N instance " +
+                           std::to_string(plan.max_candidates) + " does not fit the call's N = " + std::to_string(N));
   DeviceGuard guard(a.layer_residual.device.index);
 
   launch_kernel(kernel, params, dim3(static_cast<unsigned>(params.tokens) * static_cast<unsigned>(plan.cluster)),

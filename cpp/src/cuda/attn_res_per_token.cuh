@@ -508,33 +508,40 @@ __global__ void __launch_bounds__(kMaxThreadsOf<NMAX, CLUSTER>)
   // mbarrier waits returned, and it pushes nothing after them.
 }
 
-// split_k's bf16 cluster instance of mode M for exactly `candidates` candidates (tuning::split_k_exact; nullptr
-// outside [kSplitKExactMinCandidates, kMaxCandidates]). Defined once per mode in the exact-instance translation
-// units (cuda/attn_res_exact_instances_*.cu), which compile in parallel; every other unit sees only the extern
-// declarations below.
-template <Mode M, int... I>
+// split_k's cluster instance of mode M and FP8 epilogue F for exactly `candidates` candidates
+// (tuning::split_k_exact; nullptr outside [kSplitKExactMinCandidates, kMaxCandidates]). Defined once per (mode,
+// epilogue) in the exact-instance translation units (cuda/attn_res_exact_instances_*.cu), which compile in
+// parallel; every other unit sees only the extern declarations below.
+template <Mode M, Fp8Mode F, int... I>
 PerTokenKernel exact_instance_of(int candidates, std::integer_sequence<int, I...>) {
   PerTokenKernel kernel = nullptr;
   ((candidates == tuning::kSplitKExactMinCandidates + I
-        ? (kernel = attn_res_per_token_kernel<tuning::kSplitKExactMinCandidates + I, M, true, Fp8Mode::none, true>)
+        ? (kernel = attn_res_per_token_kernel<tuning::kSplitKExactMinCandidates + I, M, true, F, true>)
         : kernel),
    ...);
   return kernel;
 }
-template <Mode M>
+template <Mode M, Fp8Mode F>
 PerTokenKernel exact_instance(int candidates) {
-  return exact_instance_of<M>(candidates, std::make_integer_sequence<int, kMaxCandidates - tuning::kSplitKExactMinCandidates + 1>{});
+  constexpr int kCount = kMaxCandidates - tuning::kSplitKExactMinCandidates + 1;
+  return exact_instance_of<M, F>(candidates, std::make_integer_sequence<int, kCount>{});
 }
-extern template PerTokenKernel exact_instance<Mode::mix>(int);
-extern template PerTokenKernel exact_instance<Mode::norm>(int);
-extern template PerTokenKernel exact_instance<Mode::add>(int);
-extern template PerTokenKernel exact_instance<Mode::add2>(int);
-extern template PerTokenKernel exact_instance<Mode::mix_add>(int);
-extern template PerTokenKernel exact_instance<Mode::mix_add2>(int);
+extern template PerTokenKernel exact_instance<Mode::mix, Fp8Mode::none>(int);
+extern template PerTokenKernel exact_instance<Mode::norm, Fp8Mode::none>(int);
+extern template PerTokenKernel exact_instance<Mode::add, Fp8Mode::none>(int);
+extern template PerTokenKernel exact_instance<Mode::add2, Fp8Mode::none>(int);
+extern template PerTokenKernel exact_instance<Mode::mix_add, Fp8Mode::none>(int);
+extern template PerTokenKernel exact_instance<Mode::mix_add2, Fp8Mode::none>(int);
+extern template PerTokenKernel exact_instance<Mode::norm, Fp8Mode::per_token>(int);
+extern template PerTokenKernel exact_instance<Mode::norm, Fp8Mode::block128>(int);
+extern template PerTokenKernel exact_instance<Mode::add, Fp8Mode::per_token>(int);
+extern template PerTokenKernel exact_instance<Mode::add, Fp8Mode::block128>(int);
+extern template PerTokenKernel exact_instance<Mode::add2, Fp8Mode::per_token>(int);
+extern template PerTokenKernel exact_instance<Mode::add2, Fp8Mode::block128>(int);
 
-// The instance for the plan's `max_candidates` (nullptr for none): split_k's bf16 clusters from
+// The instance for the plan's `max_candidates` (nullptr for none): split_k's clusters from
 // kSplitKExactMinCandidates the exact-N instance, otherwise one case per entry of kCandidateBuckets
-// (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. The bf16 cluster
+// (attnres/limits.hpp): a bucket added there without an instance here fails the static_assert. The cluster
 // instances of the buckets the exact ones replace are never built. Used by the per-token launchers
 // (cuda/attn_res_launch.cu, cuda/attn_res_mix_add_instances.cu).
 template <Mode M, bool CLUSTER, Fp8Mode F>
@@ -543,8 +550,8 @@ auto per_token_instance(int max_candidates) -> PerTokenKernel {
   static_assert(kCandidateBuckets[0] < tuning::kSplitKExactMinCandidates &&
                     kCandidateBuckets[1] >= tuning::kSplitKExactMinCandidates,
                 "the exact instances replace every bucket but the first");
-  if constexpr (tuning::split_k_exact(CLUSTER, F != Fp8Mode::none, kMaxCandidates)) {
-    if (max_candidates >= tuning::kSplitKExactMinCandidates) return exact_instance<M>(max_candidates);
+  if constexpr (tuning::split_k_exact(CLUSTER, kMaxCandidates)) {
+    if (max_candidates >= tuning::kSplitKExactMinCandidates) return exact_instance<M, F>(max_candidates);
     return max_candidates == kCandidateBuckets[0] ? attn_res_per_token_kernel<kCandidateBuckets[0], M, CLUSTER, F>
                                                   : nullptr;
   } else {
