@@ -146,9 +146,11 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // topology_grid, H = 7168: docs/performance.md) — on the two-blocks-per-SM geometry (the persistent plan's for the call:
 // `two_blocks_per_sm`; one block per SM measured slower than split_k everywhere) and
 // T >= automatic_persistent_min_tokens(N, H, addends); the per-token kernels everywhere else. The bits are the same
-// either way (both reduce in split_k's order). The persistent kernel's time grows with N (it streams every row),
-// split_k's with its candidate bucket (its instance computes the whole bucket), so it wins below the top of a
-// bucket (N = 5..8, 10) from a few hundred tokens, at the top (N = 9, 3, 4) only later, and never for N >= 11.
+// either way (both reduce in split_k's order). The persistent kernel's time grows with N (it streams every row).
+// The thresholds were measured against split_k built per candidate bucket (its instance computed the whole
+// bucket), so the persistent kernel won below the top of a bucket (N = 5..8, 10) from a few hundred tokens, at the
+// top (N = 9, 3, 4) only later, and never for N >= 11; split_k's exact-N instances (split_k_exact) can move them
+// (docs/performance.md, "Exact N").
 // Without the addend (`python -m bench topology --no-add`) the persistent kernel gains more: it wins from
 // T = 256 at N = 3 and 11..13 too, from 512 at N = 4, from 128 at N = 6. The thresholds below T = 4096 were
 // measured at H = 7168 only and are taken where the per-token kernels run as they do there (H > 4096: split_k's
