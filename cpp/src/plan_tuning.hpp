@@ -147,62 +147,42 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // `two_blocks_per_sm`; one block per SM measured slower than split_k everywhere) and
 // T >= automatic_persistent_min_tokens(N, H, addends); the per-token kernels everywhere else. The bits are the same
 // either way (both reduce in split_k's order). The persistent kernel's time grows with N (it streams every row).
-// The thresholds were measured against split_k built per candidate bucket (its instance computed the whole
-// bucket), so the persistent kernel won below the top of a bucket (N = 5..8, 10) from a few hundred tokens, at the
-// top (N = 9, 3, 4) only later, and never for N >= 11; split_k's exact-N instances (split_k_exact) can move them
-// (docs/performance.md, "Exact N").
-// Without the addend (`python -m bench topology --no-add`) the persistent kernel gains more: it wins from
-// T = 256 at N = 3 and 11..13 too, from 512 at N = 4, from 128 at N = 6. The thresholds below T = 4096 were
-// measured at H = 7168 only and are taken where the per-token kernels run as they do there (H > 4096: split_k's
-// cluster of more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
+// Without the addend (`python -m bench topology --no-add`) the persistent kernel gains more. The thresholds below
+// T = 4096 were measured at H = 7168 only and are taken where the per-token kernels run as they do there (H > 4096:
+// split_k's cluster of more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
 constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
-// By N = 1 .. 16 (index N - 1), H > 4096, with one addend (h200_80e29ff_topology.json, h200_4dd1abb_topology.json).
+// The per-token kernels at every N and T.
+constexpr int64_t kNoPersistentByN[kMaxCandidates] = {
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
+    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+// The H200's, by N = 1 .. 16 (index N - 1), H > 4096, with one addend (h200_80e29ff_topology.json,
+// h200_4dd1abb_topology.json) and without (h200_4dd1abb_topology_noadd*.json). They were measured against split_k
+// built per candidate bucket (its instance computed the whole bucket), so the persistent kernel won below the top of
+// a bucket (N = 5..8, 10) from a few hundred tokens; split_k's exact-N instances (split_k_exact) beat it there on the
+// H100 and may on the H200, which is not remeasured yet. Two addends: not measured, never.
 constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
     4096, 4096, 2048, 4096, 128, 256, 256, 256, 512, 256, kNeverPersistent, kNeverPersistent,
     kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-// The same without the addend (h200_4dd1abb_topology_noadd*.json).
 constexpr int64_t kAutomaticPersistentMinTokensNoAddByN[kMaxCandidates] = {
     4096, 4096, 256, 512, 128, 128, 256, 256, 512, 256, 256, 256,
     256, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-// The H100's (h100_f7e65a6_topology.json, h100_f7e65a6_topology_noadd.json): from the T where the persistent kernel
-// is faster or within 3 % at every larger measured T. It takes one pass up to 8 rows a token (N <= 7 with the
-// addend, N <= 8 without) and loses to split_k beyond. Never at N = 3 with the addend, where it led by 2 % at
-// T = 4096 only (and lost 9 % there with a snapshot write at vLLM's call sites, h100_81463b7_vllm_sites.json);
-// without the addend N <= 4 stream (prefer_single_cta).
-constexpr int64_t kAutomaticPersistentMinTokensByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 128, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-constexpr int64_t kAutomaticPersistentMinTokensNoAddByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 128, 128, 128, 1024,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-// With two addends (the MoE tail's fold, `python -m bench prefill --ops add2 --forced`). The H100's
-// (h100_5a85df6_add2_grid.json, T = 256, 1024, 4096): N = 5, 6 from T = 256, where a token's N + 2 rows fit the
-// two-blocks ring in one pass (0.75-0.96x split_k's time); from N = 7 two passes, 1.02-1.8x split_k's; N = 3, 4
-// within 3 % of split_k at T = 4096 only. The rule: from the smallest measured T where the persistent kernel ran
-// >= 3 % faster than every other kernel there and at every larger T (bench/prefill.py persistent_from, which the
-// --forced run prints). The H200's are not measured yet: never (the per-token kernels).
-constexpr int64_t kAutomaticPersistentMinTokensAdd2ByN[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
-constexpr int64_t kAutomaticPersistentMinTokensAdd2ByNH100[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, 256, 256,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+// The H100's: never, by the rule of bench/prefill.py persistent_from (from the smallest measured T where the
+// persistent kernel ran >= 3 % faster than every other kernel, there and at every larger T; `python -m bench
+// prefill --forced` prints it). Against split_k's exact-N instances it lost at N = 5..8 at T = 1024 and 4096 with
+// one addend, two, and without one (attn_res, which takes the normed op's row): 1.04-1.38x split_k's time
+// (h100_924fd69_forced58.json). At the other N it lost to the bucket's split_k already (h100_f7e65a6_topology*.json,
+// h100_5a85df6_add2_grid.json), which the exact instances only made faster; N = 3 led by 2 % at T = 4096 only.
 constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
 // addends: 0 (attn_res_rmsnorm, attn_res), 1 or 2 (attn_res_add_rmsnorm).
 constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, int32_t addends,
                                                   TopologyGrid grid = TopologyGrid::h200) {
   if (candidates < 1 || candidates > kMaxCandidates || addends < 0 || addends > 2) return kNeverPersistent;
-  const bool h100 = grid == TopologyGrid::h100;
-  const int64_t* const by_addends[2][3] = {
-      {kAutomaticPersistentMinTokensNoAddByN, kAutomaticPersistentMinTokensByN, kAutomaticPersistentMinTokensAdd2ByN},
-      {kAutomaticPersistentMinTokensNoAddByNH100, kAutomaticPersistentMinTokensByNH100,
-       kAutomaticPersistentMinTokensAdd2ByNH100}};
-  const int64_t measured = by_addends[h100 ? 1 : 0][addends][candidates - 1];
+  if (grid == TopologyGrid::h100) return kNeverPersistent;
+  const int64_t* const by_addends[3] = {kAutomaticPersistentMinTokensNoAddByN, kAutomaticPersistentMinTokensByN,
+                                        kNoPersistentByN};
+  const int64_t measured = by_addends[addends][candidates - 1];
   if (measured == kNeverPersistent || hidden >= kAutomaticPersistentMeasuredMinHidden) return measured;
   return kAutomaticPersistentMinTokens;
 }

@@ -328,9 +328,9 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
   EXPECT_EQ(p.slots, 3);
 }
 
-// The H100's own grid: the GPU is told by its name; the persistent kernel is taken there at N = 5..7 (and N = 8
-// from 1024 without the addend), never at N >= 9 where the H200's thresholds take it; without the addend N <= 4
-// stream there.
+// The H100's own grid: the GPU is told by its name; split_k's exact-N instances beat the persistent kernel there at
+// every measured N and T, so it is never taken, where the H200's thresholds take it at N = 3..10 (13 without the
+// addend); without the addend N <= 4 stream there.
 TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
   using tuning::TopologyGrid;
   EXPECT_EQ(tuning::topology_grid("NVIDIA H100 80GB HBM3"), TopologyGrid::h100);
@@ -345,16 +345,16 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
     int64_t h100, h200;
   };
   for (const Case c : {Case{1, true, never, 4096}, Case{3, true, never, 2048}, Case{4, true, never, 4096},
-                       Case{5, true, 128, 128}, Case{6, true, 128, 256}, Case{7, true, 128, 256},
+                       Case{5, true, never, 128}, Case{6, true, never, 256}, Case{7, true, never, 256},
                        Case{8, true, never, 256}, Case{9, true, never, 512}, Case{10, true, never, 256},
-                       Case{11, true, never, never}, Case{3, false, never, 256}, Case{7, false, 128, 256},
-                       Case{8, false, 1024, 256}, Case{9, false, never, 512}, Case{12, false, never, 256}}) {
+                       Case{11, true, never, never}, Case{3, false, never, 256}, Case{7, false, never, 256},
+                       Case{8, false, never, 256}, Case{9, false, never, 512}, Case{12, false, never, 256}}) {
     SCOPED_TRACE(testing::Message() << "N = " << c.n << ", add = " << c.add);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, 7168, c.add, TopologyGrid::h100), c.h100);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, 7168, c.add, TopologyGrid::h200), c.h200);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(c.n, 7168, c.add), c.h200);  // the default grid
   }
-  // The plan asks the device's name: T = 4096, N = 9 is persistent on the H200, split_k on the H100.
+  // The plan asks the device's name: T = 4096, N = 5 and 9 are persistent on the H200, split_k on the H100.
   for (const bool add : {true, false}) {
     const AttnResOp op = add ? AttnResOp::attn_res_add_rmsnorm : AttnResOp::attn_res_rmsnorm;
     EXPECT_EQ(attnres::plan(query(op, 4096, 9, 7168, add), attnres::described_device("h200"), Options{}).kernel,
@@ -362,6 +362,8 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
     EXPECT_EQ(attnres::plan(query(op, 4096, 9, 7168, add), attnres::described_device("h100"), Options{}).kernel,
               KernelKind::split_k);
     EXPECT_EQ(attnres::plan(query(op, 4096, 5, 7168, add), attnres::described_device("h100"), Options{}).kernel,
+              KernelKind::split_k);
+    EXPECT_EQ(attnres::plan(query(op, 4096, 5, 7168, add), attnres::described_device("h200"), Options{}).kernel,
               KernelKind::persistent);
   }
   // The streaming single_cta: N <= 2 on both GPUs; N = 3, 4 without the addend on the H100 only, from T = 256.
@@ -382,8 +384,8 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
       }
 }
 
-// Two addends (the MoE tail's fold): the H100's grid takes the persistent kernel at N = 5, 6 from T = 256 (one pass
-// in the two-blocks ring); the H200's is not measured yet, so never. The streaming single_cta's buffers: four on
+// Two addends (the MoE tail's fold): never on either GPU (the H100's exact-N split_k beat the persistent kernel at
+// N = 5..8 and the bucket's at the other N; the H200's grid is not measured yet). Forced, it is accepted. The streaming single_cta's buffers: four on
 // the H100 where a token reads one row (N = 1 without an addend), two everywhere else.
 TEST(PlanPersistent, TwoAddendsAndStreamBuffersByGrid) {
   using attnres::Route;
@@ -391,15 +393,16 @@ TEST(PlanPersistent, TwoAddendsAndStreamBuffersByGrid) {
   const int64_t never = tuning::kNeverPersistent;
   for (int64_t n = 1; n <= 16; ++n) {
     SCOPED_TRACE(testing::Message() << "N = " << n);
-    EXPECT_EQ(tuning::automatic_persistent_min_tokens(n, 7168, 2, TopologyGrid::h100), n == 5 || n == 6 ? 256 : never);
+    EXPECT_EQ(tuning::automatic_persistent_min_tokens(n, 7168, 2, TopologyGrid::h100), never);
     EXPECT_EQ(tuning::automatic_persistent_min_tokens(n, 7168, 2, TopologyGrid::h200), never);
   }
   PlanQuery q = query(AttnResOp::attn_res_add_rmsnorm, 4096, 5, 7168, true);
   q.add2 = true;
-  EXPECT_EQ(attnres::plan(q, attnres::described_device("h100"), Options{}).kernel, KernelKind::persistent);
-  EXPECT_EQ(attnres::plan(q, attnres::described_device("h200"), Options{}).kernel, KernelKind::split_k);
-  q.tokens = 255;
   EXPECT_EQ(attnres::plan(q, attnres::described_device("h100"), Options{}).kernel, KernelKind::split_k);
+  EXPECT_EQ(attnres::plan(q, attnres::described_device("h200"), Options{}).kernel, KernelKind::split_k);
+  Options forced;
+  forced.kernel = KernelKind::persistent;
+  EXPECT_EQ(attnres::plan(q, attnres::described_device("h100"), forced).kernel, KernelKind::persistent);
 
   for (const bool add : {false, true})
     for (int64_t n = 1; n <= 4; ++n) {
