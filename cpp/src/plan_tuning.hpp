@@ -152,11 +152,6 @@ constexpr int32_t split_k_chunk_warps(int64_t hidden) { return (split_k_chunk(hi
 // split_k's cluster of more than four blocks); at H <= 4096 the rule keeps T >= 4096 and the same range of N.
 constexpr int64_t kAutomaticPersistentMinTokens = 4096;  // at H <= 4096, and where the table says so
 constexpr int64_t kNeverPersistent = kMaxTokensPerLaunch + 1;
-// The per-token kernels at every N and T.
-constexpr int64_t kNoPersistentByN[kMaxCandidates] = {
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent,
-    kNeverPersistent, kNeverPersistent, kNeverPersistent, kNeverPersistent};
 // The H200's, by N = 1 .. 16 (index N - 1), H > 4096, with one addend (h200_80e29ff_topology.json,
 // h200_4dd1abb_topology.json) and without (h200_4dd1abb_topology_noadd*.json). They were measured against split_k
 // built per candidate bucket (its instance computed the whole bucket), so the persistent kernel won below the top of
@@ -168,21 +163,21 @@ constexpr int64_t kAutomaticPersistentMinTokensByN[kMaxCandidates] = {
 constexpr int64_t kAutomaticPersistentMinTokensNoAddByN[kMaxCandidates] = {
     4096, 4096, 256, 512, 128, 128, 256, 256, 512, 256, 256, 256,
     256, kNeverPersistent, kNeverPersistent, kNeverPersistent};
+constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
 // The H100's: never, by the rule of bench/prefill.py persistent_from (from the smallest measured T where the
 // persistent kernel ran >= 3 % faster than every other kernel, there and at every larger T; `python -m bench
 // prefill --forced` prints it). Against split_k's exact-N instances it lost at N = 5..8 at T = 1024 and 4096 with
 // one addend, two, and without one (attn_res, which takes the normed op's row): 1.04-1.38x split_k's time
-// (h100_924fd69_forced58.json). At the other N it lost to the bucket's split_k already (h100_f7e65a6_topology*.json,
-// h100_5a85df6_add2_grid.json), which the exact instances only made faster; N = 3 led by 2 % at T = 4096 only.
-constexpr int64_t kAutomaticPersistentMeasuredMinHidden = 4097;
+// (h100_924fd69_forced58.json); at T = 128..512 it was never 3 % ahead (h100_954562b_forced58_small.json). At the
+// other N it lost to the bucket's split_k already (h100_f7e65a6_topology*.json, h100_5a85df6_add2_grid.json), which
+// the exact instances only made faster; N = 3 led by 2 % at T = 4096 only.
 // addends: 0 (attn_res_rmsnorm, attn_res), 1 or 2 (attn_res_add_rmsnorm).
 constexpr int64_t automatic_persistent_min_tokens(int64_t candidates, int64_t hidden, int32_t addends,
                                                   TopologyGrid grid = TopologyGrid::h200) {
   if (candidates < 1 || candidates > kMaxCandidates || addends < 0 || addends > 2) return kNeverPersistent;
-  if (grid == TopologyGrid::h100) return kNeverPersistent;
-  const int64_t* const by_addends[3] = {kAutomaticPersistentMinTokensNoAddByN, kAutomaticPersistentMinTokensByN,
-                                        kNoPersistentByN};
-  const int64_t measured = by_addends[addends][candidates - 1];
+  if (grid == TopologyGrid::h100 || addends == 2) return kNeverPersistent;
+  const int64_t measured = (addends == 0 ? kAutomaticPersistentMinTokensNoAddByN
+                                         : kAutomaticPersistentMinTokensByN)[candidates - 1];
   if (measured == kNeverPersistent || hidden >= kAutomaticPersistentMeasuredMinHidden) return measured;
   return kAutomaticPersistentMinTokens;
 }

@@ -385,8 +385,9 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
 }
 
 // Two addends (the MoE tail's fold): never on either GPU (the H100's exact-N split_k beat the persistent kernel at
-// N = 5..8 and the bucket's at the other N; the H200's grid is not measured yet). Forced, it is accepted. The streaming single_cta's buffers: four on
-// the H100 where a token reads one row (N = 1 without an addend), two everywhere else.
+// N = 5..8 and the bucket's at the other N; the H200's grid is not measured yet); forced, it is accepted. The
+// streaming single_cta's buffers: four on the H100 where a token reads one row (N = 1 without an addend), two
+// everywhere else.
 TEST(PlanPersistent, TwoAddendsAndStreamBuffersByGrid) {
   using attnres::Route;
   using tuning::TopologyGrid;
