@@ -6,7 +6,8 @@
 # decode-chain benchmark and the regression guard; sanitize: tools/sanitize.sh (compute-sanitizer, four tools);
 # stress: the random-call and decode-chain stress runs (python -m stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); peers: the side-by-side points and the automatic topology's grid
-# and the prefill grid (PEERS_QUICK=1: their reduced grids); variants: the persistent kernel's geometry variants (their GPU bit
+# and the prefill grid (PEERS_QUICK=1: their reduced grids), with vLLM's kernel side by side where
+# build/engines/vllm is prepared; variants: the persistent kernel's geometry variants (their GPU bit
 # tests, then python -m bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
 # allreduce: the fused all-reduce epilogues in the in-process W = 2
 # world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
@@ -145,6 +146,13 @@ if has peers; then
     --out "$OUT/topology.json" 2>&1 | grep -v "━" | tail -90 || status=1
   timeout -s INT -k 20 "${PREFILL_WALL:-400}" python3 -m bench prefill ${PEERS_QUICK:+--quick} \
     --out "$OUT/prefill.json" 2>&1 | grep -v "━" | tail -80 || status=1
+  # vLLM 0.33.0's own kernel side by side with attnres at the side-by-side table's points (vLLM's call: the prefix
+  # updated in place, the token-major bank), where build/engines/vllm is prepared (docs/integrations.md).
+  if [[ -d build/engines/vllm/vllm ]]; then
+    PYTHONPATH=build/engines/vllm timeout -s INT -k 20 "${PEERS_VLLM_WALL:-200}" python3 tools/engines/bench_vllm.py run \
+      --sites add_rmsnorm --tokens 1 8 32 128 1024 4096 --candidates 1 2 5 9 12 --bank-rows 12 \
+      --out "$OUT/peers_vllm.json" 2>&1 | tail -32 || status=1
+  fi
 fi
 if has variants; then
   step "persistent-kernel geometry variants: bits against split_k, then the interleaved benchmark vs the copy floor"
