@@ -46,8 +46,8 @@ def _call(b, lo: int, hi: int, add: bool):
     return [attnres.attn_res_rmsnorm(b["prefix"][lo:hi], b["bank"][:, lo:hi], *w)]
 
 
-CROSSOVER = None if H100 else 512  # N = 9 at H = 7168
-AROUND = 512  # the H200's crossover, the same T on the H100
+AROUND = 512  # the H200's crossover at N = 9, H = 7168; the same T on the H100
+CROSSOVER = None if H100 else AROUND
 T_GRID = tuple(sorted({1, 2, 31, 128, AROUND - 1, AROUND, AROUND + 1, 1000, 4096, 8192, T_MAX - 1}))
 # The persistent calls: the default's on the H200, forced on the H100.
 PERSISTENT = attnres.Options(kernel="persistent") if H100 else attnres.Options()
