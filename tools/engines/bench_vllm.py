@@ -11,6 +11,11 @@ Three steps (docs/integrations.md, "Refreshing the table"):
                   functions on the same inputs, the max |delta| of the outputs, whether the side effects (prefix,
                   blocks) are bitwise equal, and the per-call time of each by CUDA-graph replay over rotating
                   input sets (attnres.bench.timing). --sites/--tokens/--candidates split a long sweep.
+  prepare-flaggems SRC  (any machine, optional) SRC: a checkout of FlagGems-vllm (github.com/flagos-ai/FlagGems-vllm)
+                  or its src/flaggems_vllm/ops/attn_res.py. Builds build/engines/flaggems/ (ignored): that file as
+                  it is, plus stand-ins for the package modules it imports (runtime, utils). `run --flaggems` then
+                  times FlagGems' Hopper kernel beside the other two (PYTHONPATH gets build/engines/flaggems too),
+                  at the points its fixed-configuration kernel serves: an addend or a snapshot write, N <= 9.
   table F...      merges run files of one GPU into its table, python/attnres/integrations/tables/vllm/<GPU>.json:
                   a point is "faster" when attnres's median is below vLLM's by --margin (default 3%) and its side
                   effects were bitwise equal. Points not run stay unmeasured (the plugin falls back there).
@@ -28,6 +33,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STANDIN = ROOT / "build" / "engines" / "vllm"
+FLAGGEMS = ROOT / "build" / "engines" / "flaggems"
+FLAGGEMS_FILE = "src/flaggems_vllm/ops/attn_res.py"
+FLAGGEMS_MAX_BLOCKS = 8  # its bank is [T, 8, H]
 # common/mtp.py: vLLM's own test module (tools/engines/test_vllm.sh) imports it beside attn_res.
 REAL_FILES = ("vllm/models/kimi_k3/nvidia/ops/attn_res.py", "vllm/models/kimi_k3/nvidia/ops/__init__.py",
               "vllm/models/kimi_k3/common/mtp.py")
@@ -101,6 +109,75 @@ def prepare(src: Path) -> None:
     print(f"prepared {STANDIN} (copy build/engines to the GPU host; run there with PYTHONPATH=build/engines/vllm and attnres installed)")
 
 
+# Stand-ins for the flaggems_vllm modules ops/attn_res.py imports. The fixed-configuration kernel (the sites with an
+# addend or a snapshot write) needs none of them at run time beyond the device queries; the autotuned kernel of the
+# other sites needs FlagGems' tuned configs, which are not loaded, so those sites are not measured.
+FLAGGEMS_STANDINS = {
+    "flaggems_vllm/__init__.py": 'from .ops.attn_res import attn_res  # noqa: F401\n',
+    "flaggems_vllm/ops/__init__.py": "",
+    "flaggems_vllm/runtime/__init__.py": '''"""Stand-in: the CUDA device module, and no tuned configs."""
+import torch
+
+torch_device_fn = torch.cuda
+
+
+def get_tuned_config(name):
+    return []
+''',
+    "flaggems_vllm/utils/__init__.py": '''"""Stand-in: no FlagTree TLE (stock Triton), launch caching off, the autotuned kernel not callable."""
+
+
+def has_triton_tle(*version):
+    return False
+
+
+def libentry():
+    return lambda fn: fn
+
+
+class _Untuned:
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        raise NotImplementedError("stand-in: FlagGems' tuned configs are not loaded; the autotuned kernel "
+                                  "(no addend, no snapshot write) is not measured")
+
+
+def libtuner(**kwargs):
+    return _Untuned
+''',
+    "flaggems_vllm/utils/device_info.py": '''"""Stand-in: the device queries, from torch."""
+import torch
+
+
+def get_device_capability():
+    return torch.cuda.get_device_capability()
+
+
+def get_sm_count():
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+''',
+}
+
+
+def prepare_flaggems(src: Path) -> None:
+    data = (src if src.is_file() else src / FLAGGEMS_FILE).read_bytes()
+    if FLAGGEMS.exists():
+        shutil.rmtree(FLAGGEMS)
+    for rel, text in FLAGGEMS_STANDINS.items():
+        (FLAGGEMS / rel).parent.mkdir(parents=True, exist_ok=True)
+        (FLAGGEMS / rel).write_text(text)
+    (FLAGGEMS / "flaggems_vllm/ops/attn_res.py").write_bytes(data)
+    print(f"prepared {FLAGGEMS} (run with PYTHONPATH=build/engines/vllm:build/engines/flaggems and --flaggems)")
+
+
+def _flaggems_serves(a, bank_rows):
+    """The points FlagGems' fixed-configuration kernel serves: an addend or a snapshot write, K <= 8 rows."""
+    return (a["delta"] or a["block_write_idx"] >= 0) and a["num_blocks"] <= FLAGGEMS_MAX_BLOCKS \
+        and bank_rows >= FLAGGEMS_MAX_BLOCKS
+
+
 def _inputs(T, NB, H, sets, seed, device):
     """`sets` input sets drawn on `device` (at T = 4096 a set is ~0.6 GB: drawn on the CPU it took seconds)."""
     import torch
@@ -121,8 +198,10 @@ def _args(site, K):
     return dict(delta=site.startswith("add_"), norm="rmsnorm" in site, num_blocks=K, block_write_idx=K if write else -1)
 
 
-def _caller(fn, s, a, eps=1e-5):
-    return lambda: fn(s["prefix"], s["delta"] if a["delta"] else None, s["blocks"], s["norm_weight"], s["qk_weight"],
+def _caller(fn, s, a, eps=1e-5, bank_rows=None):
+    """bank_rows: pass the bank's first rows only (a view: FlagGems' kernel takes a [T, 8, H] bank)."""
+    blocks = s["blocks"] if bank_rows is None else s["blocks"][:, :bank_rows]
+    return lambda: fn(s["prefix"], s["delta"] if a["delta"] else None, blocks, s["norm_weight"], s["qk_weight"],
                       s["output_norm_weight"] if a["norm"] else None, num_blocks=a["num_blocks"],
                       block_write_idx=a["block_write_idx"], eps=eps, output_norm_eps=eps if a["norm"] else 0.0)
 
@@ -134,6 +213,9 @@ def run(args) -> None:
     import attnres
     from attnres.bench.timing import capture, rotating_sets, time_interleaved
     from attnres.integrations import vllm as plugin
+    flaggems_attn_res = None
+    if args.flaggems:
+        from flaggems_vllm import attn_res as flaggems_attn_res
 
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
@@ -141,7 +223,8 @@ def run(args) -> None:
         sys.exit(f"bench_vllm: {name} is not compute capability 9.x")
     served = lambda *a, **k: plugin._serve(*a, **k)  # noqa: E731  the path the plugin serves, table bypassed
     results = {"device": name, "hidden": args.hidden, "bank_rows": args.bank_rows, "attnres": attnres.__version__,
-               "torch": torch.__version__, "pdl": args.pdl, "points": []}
+               "torch": torch.__version__, "pdl": args.pdl,
+               "flaggems": args.flaggems, "points": []}
     plugin.SETTINGS.options = None if args.pdl else attnres.Options(pdl=False)
     t0 = time.time()
     for site in args.sites:
@@ -165,17 +248,36 @@ def run(args) -> None:
                          "max_abs_diff": float((out_v.float() - out_p.float()).abs().max()),
                          "prefix_bitwise": bool(torch.equal(cv["prefix"].view(torch.int16), cp["prefix"].view(torch.int16))),
                          "blocks_bitwise": bool(torch.equal(cv["blocks"].view(torch.int16), cp["blocks"].view(torch.int16)))}
-                gv = capture([_caller(vllm_attn_res, s, a) for s in v_sets])
-                gp = capture([_caller(served, s, a) for s in p_sets])
-                t = time_interleaved({"vllm": (gv, sets), "attnres": (gp, sets)}, repeats=args.repeats)
+                graphs = {"vllm": (capture([_caller(vllm_attn_res, s, a) for s in v_sets]), sets),
+                          "attnres": (capture([_caller(served, s, a) for s in p_sets]), sets)}
+                fg = ""
+                if flaggems_attn_res is not None and _flaggems_serves(a, args.bank_rows):
+                    # FlagGems against vLLM: the same inputs, the output's max |delta|, the side effects bitwise
+                    cf = _clone(v_sets[0])
+                    out_f = _caller(flaggems_attn_res, cf, a, bank_rows=FLAGGEMS_MAX_BLOCKS)()
+                    torch.cuda.synchronize()
+                    point["flaggems_vs_vllm"] = {
+                        "max_abs_diff": float((out_v.float() - out_f.float()).abs().max()),
+                        "prefix_bitwise": bool(torch.equal(cv["prefix"].view(torch.int16), cf["prefix"].view(torch.int16))),
+                        "blocks_bitwise": bool(torch.equal(cv["blocks"].view(torch.int16), cf["blocks"].view(torch.int16)))}
+                    f_sets = [_clone(s) for s in v_sets]
+                    graphs["flaggems"] = (capture([_caller(flaggems_attn_res, s, a, bank_rows=FLAGGEMS_MAX_BLOCKS)
+                                                   for s in f_sets]), sets)
+                t = time_interleaved(graphs, repeats=args.repeats)
                 point.update({k: v.as_dict() for k, v in t.items()})
                 point["speedup"] = t["vllm"].median_us / t["attnres"].median_us
+                if "flaggems" in t:
+                    point["speedup_vs_flaggems"] = t["flaggems"].median_us / t["attnres"].median_us
+                    d = point["flaggems_vs_vllm"]
+                    fg = (f"  flaggems {t['flaggems'].median_us:8.2f} us  x{point['speedup_vs_flaggems']:.2f} "
+                          f"(vs vllm: max|d| {d['max_abs_diff']:.3g}, side effects "
+                          f"{'==' if d['prefix_bitwise'] and d['blocks_bitwise'] else '!='})")
                 results["points"].append(point)
                 print(f"{site:18s} T={T:5d} N={N:2d}  vllm {t['vllm'].median_us:8.2f} us  attnres "
                       f"{t['attnres'].median_us:8.2f} us  x{point['speedup']:.2f}  max|d| {point['max_abs_diff']:.3g}  "
                       f"prefix {'==' if point['prefix_bitwise'] else '!='}  blocks "
-                      f"{'==' if point['blocks_bitwise'] else '!='}", flush=True)
-                del v_sets, p_sets, gv, gp
+                      f"{'==' if point['blocks_bitwise'] else '!='}{fg}", flush=True)
+                del v_sets, p_sets, graphs
                 torch.cuda.empty_cache()
                 # after every point: a sweep stopped at a time limit keeps what it measured
                 Path(args.out).write_text(json.dumps(results, indent=1))
@@ -218,6 +320,8 @@ def main(argv=None) -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("prepare")
     p.add_argument("src", type=Path)
+    pf = sub.add_parser("prepare-flaggems")
+    pf.add_argument("src", type=Path)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--sites", nargs="+", default=list(SITES), choices=SITES)
@@ -228,13 +332,15 @@ def main(argv=None) -> None:
     r.add_argument("--repeats", type=int, default=25)
     r.add_argument("--max-seconds", type=float, default=0,
                    help="stop measuring new points after this long (0: no limit); the file keeps what was measured")
+    r.add_argument("--flaggems", action="store_true",
+                   help="also time FlagGems-vllm's kernel (prepare-flaggems; PYTHONPATH gets build/engines/flaggems)")
     r.add_argument("--no-pdl", dest="pdl", action="store_false", help="attnres with PDL off (ATTNRES_VLLM_PDL=0)")
     t = sub.add_parser("table")
     t.add_argument("files", nargs="+")
     t.add_argument("--margin", type=float, default=0.03)
     t.add_argument("--write", help="default: the GPU's shipped table, python/attnres/integrations/tables/vllm/<GPU>.json")
     args = ap.parse_args(argv)
-    {"prepare": lambda: prepare(args.src), "run": lambda: run(args), "table": lambda: table(args)}[args.cmd]()
+    {"prepare": lambda: prepare(args.src), "prepare-flaggems": lambda: prepare_flaggems(args.src), "run": lambda: run(args), "table": lambda: table(args)}[args.cmd]()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,68 @@
+"""tools/engines/bench_vllm.py's FlagGems step on the CPU: prepare-flaggems copies the kernel file as it is and writes
+the stand-ins, whose answers the fixed-configuration path relies on (no TLE, launch caching off, the autotuned
+kernel refusing clearly); `run --flaggems` times FlagGems only where its fixed-configuration kernel serves."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def bench_vllm():
+    spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "tools" / "engines" / "bench_vllm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("as_checkout", [True, False])
+def test_prepare_copies_the_file_and_writes_the_standins(bench_vllm, tmp_path, monkeypatch, as_checkout):
+    text = b"# FlagGems' attn_res.py stands here\n"
+    src = tmp_path / "src_checkout"
+    (src / "src/flaggems_vllm/ops").mkdir(parents=True)
+    (src / bench_vllm.FLAGGEMS_FILE).write_bytes(text)
+    out = tmp_path / "flaggems"
+    monkeypatch.setattr(bench_vllm, "FLAGGEMS", out)
+    bench_vllm.prepare_flaggems(src if as_checkout else src / bench_vllm.FLAGGEMS_FILE)
+    assert (out / "flaggems_vllm/ops/attn_res.py").read_bytes() == text
+    assert {p.relative_to(out).as_posix() for p in out.rglob("*.py")} == \
+        set(bench_vllm.FLAGGEMS_STANDINS) | {"flaggems_vllm/ops/attn_res.py"}
+
+    utils = _load(out / "flaggems_vllm/utils/__init__.py", "fg_utils")
+    assert utils.has_triton_tle(3, 6, 0) is False
+    fn = object()
+    assert utils.libentry()(fn) is fn
+    tuned = utils.libtuner(configs=[], key=[])(fn)
+    with pytest.raises(NotImplementedError, match="tuned configs are not loaded"):
+        tuned[(1,)]
+    runtime = _load(out / "flaggems_vllm/runtime/__init__.py", "fg_runtime")
+    assert runtime.get_tuned_config("attn_res_post") == []
+
+
+def test_prepare_without_the_file_fails_and_keeps_the_old_folder(bench_vllm, tmp_path, monkeypatch):
+    out = tmp_path / "flaggems"
+    (out / "keep").mkdir(parents=True)
+    monkeypatch.setattr(bench_vllm, "FLAGGEMS", out)
+    with pytest.raises(FileNotFoundError):
+        bench_vllm.prepare_flaggems(tmp_path / "no_checkout")
+    assert (out / "keep").is_dir()
+
+
+@pytest.mark.parametrize("site,K,bank_rows,served", [
+    ("add_rmsnorm", 0, 12, True), ("add_rmsnorm", 8, 12, True), ("add_rmsnorm", 11, 12, False),
+    ("add_rmsnorm", 4, 6, False), ("add_rmsnorm_write", 3, 9, True), ("rmsnorm_write", 2, 9, True),
+    ("add_mix", 5, 9, True), ("rmsnorm", 4, 9, False), ("mix", 4, 9, False)])
+def test_flaggems_points(bench_vllm, site, K, bank_rows, served):
+    assert bench_vllm._flaggems_serves(bench_vllm._args(site, K), bank_rows) is served
+
