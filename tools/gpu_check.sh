@@ -7,7 +7,7 @@
 # stress: the random-call and decode-chain stress runs (python -m stress); persistent: its benchmark
 # (PERSISTENT_QUICK=1 for the reduced grid); peers: the side-by-side points and the automatic topology's grid
 # and the prefill grid (PEERS_QUICK=1: their reduced grids), with vLLM's kernel side by side where
-# build/engines/vllm is prepared; variants: the persistent kernel's geometry variants (their GPU bit
+# build/engines/vllm is prepared (and FlagGems-vllm's where build/engines/flaggems is); variants: the persistent kernel's geometry variants (their GPU bit
 # tests, then python -m bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
 # allreduce: the fused all-reduce epilogues in the in-process W = 2
 # world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
@@ -147,10 +147,13 @@ if has peers; then
   timeout -s INT -k 20 "${PREFILL_WALL:-400}" python3 -m bench prefill ${PEERS_QUICK:+--quick} \
     --out "$OUT/prefill.json" 2>&1 | grep -v "━" | tail -80 || status=1
   # vLLM 0.33.0's own kernel side by side with attnres at the side-by-side table's points (vLLM's call: the prefix
-  # updated in place, the token-major bank), where build/engines/vllm is prepared (docs/integrations.md).
+  # updated in place, the token-major bank), where build/engines/vllm is prepared (docs/integrations.md); with
+  # FlagGems-vllm's kernel in the same run where build/engines/flaggems is prepared too.
   if [[ -d build/engines/vllm/vllm ]]; then
-    PYTHONPATH=build/engines/vllm timeout -s INT -k 20 "${PEERS_VLLM_WALL:-200}" python3 tools/engines/bench_vllm.py run \
-      --sites add_rmsnorm --tokens 1 8 32 128 1024 4096 --candidates 1 2 5 9 12 --bank-rows 12 \
+    fg=(); fgpath=
+    [[ -d build/engines/flaggems/flaggems_vllm ]] && { fg=(--flaggems); fgpath=:build/engines/flaggems; }
+    PYTHONPATH=build/engines/vllm$fgpath timeout -s INT -k 20 "${PEERS_VLLM_WALL:-240}" python3 tools/engines/bench_vllm.py run \
+      --sites add_rmsnorm --tokens 4096 1024 1 8 32 128 --candidates 1 2 5 9 12 --bank-rows 12 ${fg[@]+"${fg[@]}"} \
       --out "$OUT/peers_vllm.json" 2>&1 | tail -32 || status=1
   fi
 fi
