@@ -150,10 +150,10 @@ if has peers; then
   # updated in place, the token-major bank), where build/engines/vllm is prepared (docs/integrations.md); with
   # FlagGems-vllm's kernel in the same run where build/engines/flaggems is prepared too.
   if [[ -d build/engines/vllm/vllm ]]; then
-    fg=(); fgpath=
-    [[ -d build/engines/flaggems/flaggems_vllm ]] && { fg=(--flaggems); fgpath=:build/engines/flaggems; }
-    PYTHONPATH=build/engines/vllm$fgpath timeout -s INT -k 20 "${PEERS_VLLM_WALL:-240}" python3 tools/engines/bench_vllm.py run \
-      --sites add_rmsnorm --tokens 4096 1024 1 8 32 128 --candidates 1 2 5 9 12 --bank-rows 12 ${fg[@]+"${fg[@]}"} \
+    fg=; [[ -d build/engines/flaggems/flaggems_vllm ]] && fg=--flaggems
+    PYTHONPATH=build/engines/vllm:build/engines/flaggems timeout -s INT -k 20 "${PEERS_VLLM_WALL:-240}" \
+      python3 tools/engines/bench_vllm.py run \
+      --sites add_rmsnorm --tokens 4096 1024 1 8 32 128 --candidates 1 2 5 9 12 --bank-rows 12 $fg \
       --out "$OUT/peers_vllm.json" 2>&1 | tail -32 || status=1
   fi
 fi

@@ -11,19 +11,16 @@ import pytest
 from helpers import ROOT
 
 
-@pytest.fixture(scope="module")
-def bench_vllm():
-    spec = importlib.util.spec_from_file_location("bench_vllm", ROOT / "tools" / "engines" / "bench_vllm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _load(path, name):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def bench_vllm():
+    return _load(ROOT / "tools" / "engines" / "bench_vllm.py", "bench_vllm")
 
 
 @pytest.mark.parametrize("as_checkout", [True, False])
@@ -66,3 +63,15 @@ def test_prepare_without_the_file_fails_and_keeps_the_old_folder(bench_vllm, tmp
 def test_flaggems_points(bench_vllm, site, K, bank_rows, served):
     assert bench_vllm._flaggems_serves(bench_vllm._args(site, K), bank_rows) is served
 
+
+
+def test_against_reports_the_output_gap_and_the_side_effects_bits(bench_vllm):
+    import torch
+    ref = {"prefix": torch.tensor([1.0, -0.0]).bfloat16(), "blocks": torch.ones(2, 2).bfloat16()}
+    same = {k: v.clone() for k, v in ref.items()}
+    r = bench_vllm._against(torch.tensor([1.0, 2.0]), ref, torch.tensor([1.0, 2.5]), same)
+    assert r == {"max_abs_diff": 0.5, "prefix_bitwise": True, "blocks_bitwise": True}
+    signed_zero = dict(same, prefix=torch.tensor([1.0, 0.0]).bfloat16())  # equal values, other bits
+    other_row = dict(same, blocks=torch.tensor([[1.0, 1.0], [1.0, 1.0078125]]).bfloat16())
+    assert bench_vllm._against(torch.zeros(1), ref, torch.zeros(1), signed_zero)["prefix_bitwise"] is False
+    assert bench_vllm._against(torch.zeros(1), ref, torch.zeros(1), other_row)["blocks_bitwise"] is False

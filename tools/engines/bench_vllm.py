@@ -206,6 +206,14 @@ def _caller(fn, s, a, eps=1e-5, bank_rows=None):
                       block_write_idx=a["block_write_idx"], eps=eps, output_norm_eps=eps if a["norm"] else 0.0)
 
 
+def _against(out_ref, s_ref, out, s):
+    """One call's output and side effects against the reference call's on the same inputs."""
+    import torch
+    bits = lambda k: bool(torch.equal(s_ref[k].view(torch.int16), s[k].view(torch.int16)))  # noqa: E731
+    return {"max_abs_diff": float((out_ref.float() - out.float()).abs().max()),
+            "prefix_bitwise": bits("prefix"), "blocks_bitwise": bits("blocks")}
+
+
 def run(args) -> None:
     import torch
     from vllm.models.kimi_k3.nvidia.ops.attn_res import attn_res as vllm_attn_res
@@ -223,8 +231,7 @@ def run(args) -> None:
         sys.exit(f"bench_vllm: {name} is not compute capability 9.x")
     served = lambda *a, **k: plugin._serve(*a, **k)  # noqa: E731  the path the plugin serves, table bypassed
     results = {"device": name, "hidden": args.hidden, "bank_rows": args.bank_rows, "attnres": attnres.__version__,
-               "torch": torch.__version__, "pdl": args.pdl,
-               "flaggems": args.flaggems, "points": []}
+               "torch": torch.__version__, "pdl": args.pdl, "flaggems": args.flaggems, "points": []}
     plugin.SETTINGS.options = None if args.pdl else attnres.Options(pdl=False)
     t0 = time.time()
     for site in args.sites:
@@ -244,10 +251,7 @@ def run(args) -> None:
                 out_v = _caller(vllm_attn_res, cv, a)()
                 out_p = _caller(served, cp, a)()
                 torch.cuda.synchronize()
-                point = {"site": site, "T": T, "N": N,
-                         "max_abs_diff": float((out_v.float() - out_p.float()).abs().max()),
-                         "prefix_bitwise": bool(torch.equal(cv["prefix"].view(torch.int16), cp["prefix"].view(torch.int16))),
-                         "blocks_bitwise": bool(torch.equal(cv["blocks"].view(torch.int16), cp["blocks"].view(torch.int16)))}
+                point = {"site": site, "T": T, "N": N, **_against(out_v, cv, out_p, cp)}
                 graphs = {"vllm": (capture([_caller(vllm_attn_res, s, a) for s in v_sets]), sets),
                           "attnres": (capture([_caller(served, s, a) for s in p_sets]), sets)}
                 fg = ""
@@ -256,10 +260,7 @@ def run(args) -> None:
                     cf = _clone(v_sets[0])
                     out_f = _caller(flaggems_attn_res, cf, a, bank_rows=FLAGGEMS_MAX_BLOCKS)()
                     torch.cuda.synchronize()
-                    point["flaggems_vs_vllm"] = {
-                        "max_abs_diff": float((out_v.float() - out_f.float()).abs().max()),
-                        "prefix_bitwise": bool(torch.equal(cv["prefix"].view(torch.int16), cf["prefix"].view(torch.int16))),
-                        "blocks_bitwise": bool(torch.equal(cv["blocks"].view(torch.int16), cf["blocks"].view(torch.int16)))}
+                    point["flaggems_vs_vllm"] = _against(out_v, cv, out_f, cf)
                     f_sets = [_clone(s) for s in v_sets]
                     graphs["flaggems"] = (capture([_caller(flaggems_attn_res, s, a, bank_rows=FLAGGEMS_MAX_BLOCKS)
                                                    for s in f_sets]), sets)
