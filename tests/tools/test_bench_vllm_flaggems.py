@@ -75,3 +75,26 @@ def test_against_reports_the_output_gap_and_the_side_effects_bits(bench_vllm):
     other_row = dict(same, blocks=torch.tensor([[1.0, 1.0], [1.0, 1.0078125]]).bfloat16())
     assert bench_vllm._against(torch.zeros(1), ref, torch.zeros(1), signed_zero)["prefix_bitwise"] is False
     assert bench_vllm._against(torch.zeros(1), ref, torch.zeros(1), other_row)["blocks_bitwise"] is False
+
+
+def test_every_call_is_checked_on_the_inputs_as_drawn(bench_vllm):
+    """The checks run each call on its own copy of the drawn inputs: an in-place call (vLLM's updates the prefix)
+    must not hand its result to the next one, and the drawn set stays as it was for the timed copies."""
+    import torch
+
+    def in_place(bump):
+        def call(s):
+            def run():
+                s["prefix"] += s["delta"] + bump
+                s["blocks"][:, 0] = s["prefix"]
+                return s["prefix"] * 2
+            return run
+        return call
+
+    drawn = {"prefix": torch.ones(2, 4).bfloat16(), "delta": torch.full((2, 4), 0.5).bfloat16(),
+             "blocks": torch.zeros(2, 3, 4).bfloat16()}
+    kept = {k: v.clone() for k, v in drawn.items()}
+    r = bench_vllm._against_vllm(in_place(0.0), {"same": in_place(0.0), "off": in_place(1.0)}, drawn)
+    assert r["same"] == {"max_abs_diff": 0.0, "prefix_bitwise": True, "blocks_bitwise": True}
+    assert r["off"] == {"max_abs_diff": 2.0, "prefix_bitwise": False, "blocks_bitwise": False}
+    assert all(torch.equal(drawn[k], kept[k]) for k in drawn)

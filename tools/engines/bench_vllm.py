@@ -214,6 +214,14 @@ def _against(out_ref, s_ref, out, s):
             "prefix_bitwise": bits("prefix"), "blocks_bitwise": bits("blocks")}
 
 
+def _against_vllm(vllm_call, calls, inputs):
+    """vLLM's call and each of `calls` (name -> inputs -> call), once eagerly, each on its own copy of `inputs`
+    (all of them drawn before any call runs: the calls update prefix and bank in place). name -> _against."""
+    copies = {name: _clone(inputs) for name in ("vllm", *calls)}
+    out_ref = vllm_call(copies["vllm"])()
+    return {name: _against(out_ref, copies["vllm"], call(copies[name])(), copies[name]) for name, call in calls.items()}
+
+
 def run(args) -> None:
     import torch
     from vllm.models.kimi_k3.nvidia.ops.attn_res import attn_res as vllm_attn_res
@@ -246,24 +254,21 @@ def run(args) -> None:
                 sets = rotating_sets(T * args.hidden * 2 * (2 + args.bank_rows))
                 v_sets = _inputs(T, args.bank_rows, args.hidden, sets, T * 100 + N, dev)
                 p_sets = [_clone(s) for s in v_sets]
-                # numerics: one eager call of each on identical inputs
-                cv, cp = _clone(v_sets[0]), _clone(v_sets[0])
-                out_v = _caller(vllm_attn_res, cv, a)()
-                out_p = _caller(served, cp, a)()
+                fg_serves = flaggems_attn_res is not None and _flaggems_serves(a, args.bank_rows)
+                calls = {"attnres": lambda s: _caller(served, s, a)}
+                if fg_serves:
+                    calls["flaggems"] = lambda s: _caller(flaggems_attn_res, s, a, bank_rows=FLAGGEMS_MAX_BLOCKS)
+                # numerics first: capturing runs the calls eagerly, and vLLM's call updates v_sets in place
+                checks = _against_vllm(lambda s: _caller(vllm_attn_res, s, a), calls, v_sets[0])
                 torch.cuda.synchronize()
-                point = {"site": site, "T": T, "N": N, **_against(out_v, cv, out_p, cp)}
+                point = {"site": site, "T": T, "N": N, **checks["attnres"]}
                 graphs = {"vllm": (capture([_caller(vllm_attn_res, s, a) for s in v_sets]), sets),
                           "attnres": (capture([_caller(served, s, a) for s in p_sets]), sets)}
                 fg = ""
-                if flaggems_attn_res is not None and _flaggems_serves(a, args.bank_rows):
-                    # FlagGems against vLLM: the same inputs, the output's max |delta|, the side effects bitwise
-                    cf = _clone(v_sets[0])
-                    out_f = _caller(flaggems_attn_res, cf, a, bank_rows=FLAGGEMS_MAX_BLOCKS)()
-                    torch.cuda.synchronize()
-                    point["flaggems_vs_vllm"] = _against(out_v, cv, out_f, cf)
+                if fg_serves:
+                    point["flaggems_vs_vllm"] = checks["flaggems"]
                     f_sets = [_clone(s) for s in v_sets]
-                    graphs["flaggems"] = (capture([_caller(flaggems_attn_res, s, a, bank_rows=FLAGGEMS_MAX_BLOCKS)
-                                                   for s in f_sets]), sets)
+                    graphs["flaggems"] = (capture([calls["flaggems"](s) for s in f_sets]), sets)
                 t = time_interleaved(graphs, repeats=args.repeats)
                 point.update({k: v.as_dict() for k, v in t.items()})
                 point["speedup"] = t["vllm"].median_us / t["attnres"].median_us
