@@ -15,9 +15,11 @@ kernel), all CUDA-graph replays timed interleaved in the same run, in two L2 reg
 The peers' figures (`PEERS`) are the ones of the issue's side-by-side run on one H200 (the same process and
 inputs for every kernel, warm-L2 rotating sets, one addend, µs per call): the best other Hopper kernel at each
 point (FlagGems' Triton kernels, among them the one of FlagGems-vllm pull request 737, and vLLM's Triton kernel)
-and vLLM's. No peer kernel is installed here to re-measure: the table compares the default options' warm figure
-with them, and the copy floor of the same run (floors.copy_bandwidth_tbs) says how far the large-T points are
-from the bytes' transfer time.
+and vLLM's. They are an H200's, so the table compares the default options' warm figure with them on an H200 only
+(`PEERS_GPU`); on another GPU a record carries no peer figure. The copy floor of the same run
+(floors.copy_bandwidth_tbs) says how far the large-T points are from the bytes' transfer time. vLLM's and
+FlagGems-vllm's kernels are re-measured side by side, on any Hopper GPU, by `tools/engines/bench_vllm.py run
+--flaggems` (docs/integrations.md).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .grid import copy_rate, measure
 from .persistent import op_bytes
 
 H_DEFAULT = 7168
+PEERS_GPU = "H200"  # the GPU of the peers' figures: records of another GPU are not compared with them
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,7 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str 
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
     providers = _providers(T, N, H, add=add, mix=mix)
     default_plan = _plan(T, N, H, add, attnres.Options(), mix=mix)
+    gpu = torch.cuda.get_device_name(torch.cuda.current_device())
     records = []
     for regime in regimes:
         count = warm_sets(nbytes, l2) if regime == "warm" else rotating_sets(nbytes, minimum=1)
@@ -147,19 +151,22 @@ def run_point(T: int, N: int, H: int, copy_tbs: float, repeats: int, suite: str 
         timings = time_interleaved(graphs, repeats=repeats)
         for name, t in timings.items():
             records.append(record(suite, name, regime, T, N, H, len(sets), copy_tbs, default_plan.kernel, t.as_dict(),
-                                  add=add, mix=mix))
+                                  add=add, mix=mix, gpu=gpu))
         del graphs, sets
         torch.cuda.empty_cache()
     return records
 
 
 def record(suite: str, provider: str, regime: str, T: int, N: int, H: int, sets: int, copy_tbs: float | None,
-           default_kernel: str | None, timing: dict, add: bool = True, mix: bool = False) -> dict:
+           default_kernel: str | None, timing: dict, add: bool = True, mix: bool = False,
+           gpu: str | None = None) -> dict:
     """One provider's timing at a point, with its bandwidth (over persistent.op_bytes) and, where the copy rate
-    of the run is known (copy_tbs > 0), its share of it. The peers' figures are of the one-addend op."""
+    of the run is known (copy_tbs > 0), its share of it. The peers' figures are of the one-addend op on an H200:
+    they are attached where `gpu` (the device's name) is one."""
     nbytes = op_bytes(T, N, H, add)
     gbps = nbytes / (timing["median_us"] * 1e-6) / 1e9
-    peer = PEERS.get((T, N)) if H == H_DEFAULT and add and not mix else None
+    same_gpu = gpu is not None and PEERS_GPU in gpu
+    peer = PEERS.get((T, N)) if same_gpu and H == H_DEFAULT and add and not mix else None
     return {"suite": suite, "provider": provider, "regime": regime, "T": T, "N": N, "H": H, "add": add,
             **({"op": "attn_res"} if mix else {}), "sets": sets,
             "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
@@ -225,7 +232,7 @@ def summary(records: list[dict]) -> list[str]:
     names = ["attnres/default"] + [f"attnres/{n}" for n in FORCED]
     ratio = {(r["T"], r["N"], r["H"]): r["ratio"] for r in comparison(records)}
     lines = ["peers: µs per call, one addend (warm / cold L2); default = Options(); the peers' warm-L2 figures from "
-             "the kernels issue's run"]
+             f"the kernels issue's run (an {PEERS_GPU}'s: compared on an {PEERS_GPU} only)"]
     lines.append(f"{'T':>6} {'N':>3}  {'kernel':<11}" + "".join(f"{n.split('/')[1]:>18}" for n in names)
                  + f"{'cold % copy':>12}{'best peer':>10}{'vLLM':>8}{'ours/peer':>10}")
     for (T, N, H) in sorted({(r["T"], r["N"], r["H"]) for r in rec}):
@@ -236,8 +243,9 @@ def summary(records: list[dict]) -> list[str]:
             got = [cell.get((T, N, H, g, n)) for g in REGIMES]
             row += " / ".join(_fmt(g["median_us"]) if g else "-" for g in got).rjust(18)
         row += (f"{default['pct_copy']:.0f}%" if default and default["pct_copy"] is not None else "-").rjust(12)
-        peer = PEERS.get((T, N)) if H == H_DEFAULT else None
-        row += (_fmt(peer.best_us) if peer else "-").rjust(10) + (_fmt(peer.vllm_us) if peer else "-").rjust(8)
+        carried = next((r for r in rec if (r["T"], r["N"], r["H"]) == (T, N, H) and r.get("peer_best_us")), None)
+        best, vllm = (carried["peer_best_us"], carried["peer_vllm_us"]) if carried else (None, None)
+        row += (_fmt(best) if best else "-").rjust(10) + (_fmt(vllm) if vllm else "-").rjust(8)
         row += (f"{ratio[(T, N, H)]:.2f}x" if (T, N, H) in ratio else "-").rjust(10)
         lines.append(row)
     return lines

@@ -97,16 +97,18 @@ def test_cli(capsys):
 
 def test_record_with_and_without_the_copy_rate():
     t = {"median_us": 10.0, "p10_us": 9.0, "p90_us": 11.0, "min_us": 9.0, "calls": 32, "repeats": 25}
-    r = peers.record("peers", "attnres/default", "warm", 128, 9, 7168, 1, 4.0, "split_k", t)
+    r = peers.record("peers", "attnres/default", "warm", 128, 9, 7168, 1, 4.0, "split_k", t, gpu="NVIDIA H200")
     nbytes = peers.op_bytes(128, 9, 7168, True)
     assert r["bytes"] == nbytes and r["gbps"] == pytest.approx(nbytes / 10e-6 / 1e9)
     assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / 4000) and r["peer_best_us"] == 10.50
     r = peers.record("topology", "attnres/split_k", "cold", 256, 6, 7168, 5, None, "persistent", t)
     assert r["pct_copy"] is None and r["peer_best_us"] is None and r["suite"] == "topology"
-    assert peers.record("peers", "x", "cold", 1, 9, 4096, 1, 0.0, None, t)["peer_best_us"] is None  # another H
+    other_h = peers.record("peers", "x", "cold", 1, 9, 4096, 1, 0.0, None, t, gpu="NVIDIA H200")
+    assert other_h["peer_best_us"] is None  # another H
     assert peers.summary([r | {"suite": "peers"}])[2].split()[:2] == ["256", "6"]
     # Without the addend: the op's own bytes, no peer figure (the peers' are of the one-addend op).
-    r = peers.record("topology", "attnres/default", "cold", 128, 9, 7168, 1, 4.0, "split_k", t, add=False)
+    r = peers.record("topology", "attnres/default", "cold", 128, 9, 7168, 1, 4.0, "split_k", t, add=False,
+                     gpu="NVIDIA H200")
     assert r["add"] is False and r["bytes"] == peers.op_bytes(128, 9, 7168, False) < nbytes
     assert r["peer_best_us"] is None
 
@@ -119,3 +121,18 @@ def test_calls_per_graph_amortize_the_replay_launch():
     assert peers.calls_per_graph(1, big) == peers.MIN_CALLS
     mid = peers.op_bytes(128, 9, 7168, True)
     assert peers.MIN_CALLS < peers.calls_per_graph(1, mid) < 250
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA H100 80GB HBM3", "NVIDIA H20", None])
+def test_the_h200_figures_are_compared_on_an_h200_only(gpu):
+    """The peers' figures are an H200's: a record of another GPU (or of an unknown one) carries none, so the
+    comparison, the target and the summary's peer columns leave it out."""
+    t = {"median_us": 100.0, "p10_us": 99.0, "p90_us": 101.0, "min_us": 99.0, "calls": 4, "repeats": 25}
+    r = peers.record("peers", "attnres/default", "cold", 4096, 2, 7168, 4, 3.0, "single_cta", t, gpu=gpu)
+    assert r["peer_best_us"] is None and r["peer_vllm_us"] is None
+    assert peers.comparison([r]) == [] and peers.target([r]) is None
+    row = next(line for line in peers.summary([r]) if line.split()[:2] == ["4096", "2"])
+    assert row.split()[-3:] == ["-", "-", "-"]
+    on_h200 = peers.record("peers", "attnres/default", "cold", 4096, 2, 7168, 4, 3.0, "single_cta", t,
+                           gpu="NVIDIA H200")
+    assert on_h200["peer_best_us"] == 79.5 and peers.target([on_h200])[3] is False

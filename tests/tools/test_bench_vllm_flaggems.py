@@ -98,3 +98,14 @@ def test_every_call_is_checked_on_the_inputs_as_drawn(bench_vllm):
     assert r["same"] == {"max_abs_diff": 0.0, "prefix_bitwise": True, "blocks_bitwise": True}
     assert r["off"] == {"max_abs_diff": 2.0, "prefix_bitwise": False, "blocks_bitwise": False}
     assert all(torch.equal(drawn[k], kept[k]) for k in drawn)
+
+
+def test_standing_counts_each_peer_and_both(bench_vllm):
+    t = lambda us: {"median_us": us}  # noqa: E731
+    points = [{"T": 1, "N": 9, "attnres": t(2.0), "vllm": t(8.0), "flaggems": t(7.0)},
+              {"T": 4096, "N": 2, "attnres": t(111.0), "vllm": t(112.0), "flaggems": t(103.0)},
+              {"T": 4096, "N": 12, "attnres": t(337.0), "vllm": t(350.0)},  # FlagGems not timed: vLLM decides
+              {"T": 128, "N": 1, "attnres": t(5.8), "vllm": t(5.5), "flaggems": t(5.8)}]  # level is not ahead
+    assert bench_vllm._standing(points) == (
+        "attnres ahead of vLLM at 3 of 4 points, of FlagGems at 1 of 3, of every kernel timed at 2 of 4; "
+        "behind at T=4096 N=2, T=128 N=1")

@@ -214,6 +214,18 @@ def _against(out_ref, s_ref, out, s):
             "prefix_bitwise": bits("prefix"), "blocks_bitwise": bits("blocks")}
 
 
+def _standing(points) -> str:
+    """One line over a run's points: where attnres's median is below vLLM's, FlagGems' (where timed) and both."""
+    def ahead(p, peer):
+        return p["attnres"]["median_us"] < p[peer]["median_us"]
+    fg = [p for p in points if "flaggems" in p]
+    both = [p for p in points if ahead(p, "vllm") and ("flaggems" not in p or ahead(p, "flaggems"))]
+    behind = [f"T={p['T']} N={p['N']}" for p in points if p not in both]
+    return (f"attnres ahead of vLLM at {sum(ahead(p, 'vllm') for p in points)} of {len(points)} points, of FlagGems at "
+            f"{sum(ahead(p, 'flaggems') for p in fg)} of {len(fg)}, of every kernel timed at {len(both)} of "
+            f"{len(points)}" + (f"; behind at {', '.join(behind)}" if behind else ""))
+
+
 def _against_vllm(vllm_call, calls, inputs):
     """vLLM's call and each of `calls` (name -> inputs -> call), once eagerly, each on its own copy of `inputs`
     (all of them drawn before any call runs: the calls update prefix and bank in place). name -> _against."""
@@ -287,6 +299,8 @@ def run(args) -> None:
                 torch.cuda.empty_cache()
                 # after every point: a sweep stopped at a time limit keeps what it measured
                 Path(args.out).write_text(json.dumps(results, indent=1))
+    if results["points"]:
+        print(_standing(results["points"]))
     print(f"wrote {args.out}")
 
 
