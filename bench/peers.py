@@ -243,8 +243,7 @@ def summary(records: list[dict]) -> list[str]:
             got = [cell.get((T, N, H, g, n)) for g in REGIMES]
             row += " / ".join(_fmt(g["median_us"]) if g else "-" for g in got).rjust(18)
         row += (f"{default['pct_copy']:.0f}%" if default and default["pct_copy"] is not None else "-").rjust(12)
-        carried = next((r for r in rec if (r["T"], r["N"], r["H"]) == (T, N, H) and r.get("peer_best_us")), None)
-        best, vllm = (carried["peer_best_us"], carried["peer_vllm_us"]) if carried else (None, None)
+        best, vllm = (default["peer_best_us"], default["peer_vllm_us"]) if default else (None, None)
         row += (_fmt(best) if best else "-").rjust(10) + (_fmt(vllm) if vllm else "-").rjust(8)
         row += (f"{ratio[(T, N, H)]:.2f}x" if (T, N, H) in ratio else "-").rjust(10)
         lines.append(row)

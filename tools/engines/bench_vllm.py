@@ -265,25 +265,22 @@ def run(args) -> None:
                 a = _args(site, K)
                 sets = rotating_sets(T * args.hidden * 2 * (2 + args.bank_rows))
                 v_sets = _inputs(T, args.bank_rows, args.hidden, sets, T * 100 + N, dev)
-                p_sets = [_clone(s) for s in v_sets]
-                fg_serves = flaggems_attn_res is not None and _flaggems_serves(a, args.bank_rows)
-                calls = {"attnres": lambda s: _caller(served, s, a)}
-                if fg_serves:
-                    calls["flaggems"] = lambda s: _caller(flaggems_attn_res, s, a, bank_rows=FLAGGEMS_MAX_BLOCKS)
-                # numerics first: capturing runs the calls eagerly, and vLLM's call updates v_sets in place
-                checks = _against_vllm(lambda s: _caller(vllm_attn_res, s, a), calls, v_sets[0])
+                kernels = {"vllm": lambda s: _caller(vllm_attn_res, s, a), "attnres": lambda s: _caller(served, s, a)}
+                if flaggems_attn_res is not None and _flaggems_serves(a, args.bank_rows):
+                    kernels["flaggems"] = lambda s: _caller(flaggems_attn_res, s, a, bank_rows=FLAGGEMS_MAX_BLOCKS)
+                # numerics first, and every kernel's own input sets before any capture: capturing runs the calls
+                # eagerly, and they update prefix and bank in place
+                checks = _against_vllm(kernels["vllm"], {k: c for k, c in kernels.items() if k != "vllm"}, v_sets[0])
+                own = {k: v_sets if k == "vllm" else [_clone(s) for s in v_sets] for k in kernels}
                 torch.cuda.synchronize()
                 point = {"site": site, "T": T, "N": N, **checks["attnres"]}
-                graphs = {"vllm": (capture([_caller(vllm_attn_res, s, a) for s in v_sets]), sets),
-                          "attnres": (capture([_caller(served, s, a) for s in p_sets]), sets)}
-                fg = ""
-                if fg_serves:
+                if "flaggems" in checks:
                     point["flaggems_vs_vllm"] = checks["flaggems"]
-                    f_sets = [_clone(s) for s in v_sets]
-                    graphs["flaggems"] = (capture([calls["flaggems"](s) for s in f_sets]), sets)
+                graphs = {k: (capture([call(s) for s in own[k]]), sets) for k, call in kernels.items()}
                 t = time_interleaved(graphs, repeats=args.repeats)
                 point.update({k: v.as_dict() for k, v in t.items()})
                 point["speedup"] = t["vllm"].median_us / t["attnres"].median_us
+                fg = ""
                 if "flaggems" in t:
                     point["speedup_vs_flaggems"] = t["flaggems"].median_us / t["attnres"].median_us
                     d = point["flaggems_vs_vllm"]
@@ -295,7 +292,7 @@ def run(args) -> None:
                       f"{t['attnres'].median_us:8.2f} us  x{point['speedup']:.2f}  max|d| {point['max_abs_diff']:.3g}  "
                       f"prefix {'==' if point['prefix_bitwise'] else '!='}  blocks "
                       f"{'==' if point['blocks_bitwise'] else '!='}{fg}", flush=True)
-                del v_sets, p_sets, graphs
+                del v_sets, own, graphs
                 torch.cuda.empty_cache()
                 # after every point: a sweep stopped at a time limit keeps what it measured
                 Path(args.out).write_text(json.dumps(results, indent=1))
@@ -360,7 +357,8 @@ def main(argv=None) -> None:
     t.add_argument("--margin", type=float, default=0.03)
     t.add_argument("--write", help="default: the GPU's shipped table, python/attnres/integrations/tables/vllm/<GPU>.json")
     args = ap.parse_args(argv)
-    {"prepare": lambda: prepare(args.src), "prepare-flaggems": lambda: prepare_flaggems(args.src), "run": lambda: run(args), "table": lambda: table(args)}[args.cmd]()
+    {"prepare": lambda: prepare(args.src), "prepare-flaggems": lambda: prepare_flaggems(args.src),
+     "run": lambda: run(args), "table": lambda: table(args)}[args.cmd]()
 
 
 if __name__ == "__main__":
