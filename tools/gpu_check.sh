@@ -8,10 +8,10 @@
 # (PERSISTENT_QUICK=1 for the reduced grid); peers: the side-by-side points and the automatic topology's grid
 # and the prefill grid (PEERS_QUICK=1: their reduced grids), with vLLM's kernel side by side where
 # build/engines/vllm is prepared (and FlagGems-vllm's where build/engines/flaggems is); variants: the persistent
-# kernel's geometry variants (their GPU bit tests, then python -m bench persistent --variants); fp8: the FP8 epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9);
-# allreduce: the fused all-reduce epilogues in the in-process W = 2
-# world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds
-# the symmetric-memory one-shot floor in a process of its own);
+# kernel's geometry variants (their GPU bit tests, then python -m bench persistent --variants); fp8: the FP8
+# epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9); allreduce: the fused all-reduce epilogues in the
+# in-process W = 2 world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU
+# checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds the symmetric-memory one-shot floor in a process of its own);
 # teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
 # grids: the runs the per-GPU defaults are read from: two addends on every kernel (`bench prefill --ops add2
 # --forced`, T = 256, 1024, 4096: its per-N persistent threshold is the two-addend table's row) and the streaming
