@@ -1,0 +1,206 @@
+// The token-block single_cta: one block per token (grid = T), several blocks resident per SM, so that a token's
+// serial chain of barriers and block sums overlaps other tokens' loads on the same SM instead of stalling it
+// (the streaming single_cta's one block per SM reduces its tokens one after the other).
+//
+//   * Layout. The block has ceil(C / S) groups of kChunkThreads threads, C = split_k_cluster(H) rank chunks of
+//     p.chunk vectors. Thread t of group g owns vector t of each of the chunks g * S ... g * S + S - 1, so warp w
+//     of group g holds, in its slot s, split_k's 32-vector warp w of chunk g * S + s, lane for lane.
+//   * Bits. Per value, one reduce-scatter per warp (each value's tree is the butterfly over its 32 lanes), then
+//     chunked_sum over the 32-vector warps in chunk order: split_k's order, with the per-vector code of the other
+//     kernels (attn_res_steps.cuh, vector_scores). Chunks past C (the last group's padding) hold +0.
+//   * Memory. No shared-memory ring: the rows load straight into registers, every load of a token in flight at
+//     once; the weights are read where they are used (L1/L2 hits), the mixture is kept packed as bf16 between
+//     the norm's two passes.
+//   * PDL. Bank rows 0..K-2 are loaded before griddepcontrol.wait, dependents released right after it
+//     (attn_res_per_token.cuh "PDL release"). Row NMAX - 2 can never be a pre-wait row (K <= NMAX - 1), so it is
+//     loaded only after the wait.
+//   * In place (`updated` = layer_residual): a vector's prefix is loaded and stored by the one thread that owns it.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/attn_res_per_token.cuh"
+#include "cuda/attn_res_steps.cuh"
+#include "plan_tuning.hpp"
+
+namespace attnres::detail {
+
+template <int C, int S>
+constexpr int kBlocksGroups = (C + S - 1) / S;
+template <int C, int S>
+constexpr int kBlocksThreads = kChunkThreads * kBlocksGroups<C, S>;
+
+constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
+
+template <int NMAX, Mode MODE, int C, int S, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kBlocksThreads<C, S>, MIN_BLOCKS)
+    attn_res_blocks_kernel(const __grid_constant__ PerTokenParams p) {
+  constexpr bool kNorm = mode_has_norm(MODE);
+  constexpr bool kAdd = mode_has_add(MODE);
+  constexpr bool kAdd2 = mode_has_add2(MODE);
+  constexpr int kGroups = kBlocksGroups<C, S>;
+  constexpr int kWarpSlots = kGroups * S * kChunkWarps;  // the 32-vector warps, whole groups
+  constexpr int kValues = 2 * NMAX;                      // (sumsq, dot) per candidate
+  constexpr int kEarlyRows = NMAX - 2;                   // rows that may be loaded before the wait
+  static_assert(S * kValues <= 32, "one reduce-scatter per warp");
+  static_assert(NMAX <= kSingleCtaMaxCandidates, "single_cta's buckets");
+
+  __shared__ float warp_part[kWarpSlots][kValues];
+  __shared__ float totals[kValues];
+  __shared__ float warp_sq[kWarpSlots];
+  __shared__ float block_sq;
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int group = tid / kChunkThreads, chunk_lane = tid % kChunkThreads, group_warp = chunk_lane >> 5;
+  const int K = p.snapshots, N = K + 1;
+  const int token = blockIdx.x;
+  const bool scores = N > 1 || (!kNorm && p.rsigma != nullptr);
+
+  bool valid[S];
+  int64_t col[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    const int vec = (group * S + s) * p.chunk + chunk_lane;
+    valid[s] = chunk_lane < p.chunk && vec < p.vectors;
+    col[s] = static_cast<int64_t>(vec) * 8;
+  }
+  const __nv_bfloat16* bank = p.bank + token * p.bank_token_stride;
+  const __nv_bfloat16* const prefix_row = p.layer_residual + token * p.lr_stride;
+
+  // ---- before the grid dependency: bank rows 0..K-2 (no earlier kernel of the step writes them) ----
+  uint4 rows[S][kEarlyRows > 0 ? kEarlyRows : 1];
+#pragma unroll
+  for (int s = 0; s < S; ++s)
+#pragma unroll
+    for (int n = 0; n < kEarlyRows; ++n)
+      rows[s][n] = load16_if(bank + n * p.bank_snapshot_stride + col[s], valid[s] && n + 1 < K);
+
+  grid_dependency_wait();
+  launch_dependents();
+
+  // ---- after it: the newest bank row K-1, the prefix, the addends ----
+  uint4 newest[S], prefix[S], add[S], add2[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    newest[s] = load16_if(bank + (K - 1) * p.bank_snapshot_stride + col[s], valid[s] && K >= 1);
+    prefix[s] = load16_if(prefix_row + col[s], valid[s]);
+    add[s] = kAdd ? load16_if(p.add + token * p.add_stride + col[s], valid[s]) : make_uint4(0, 0, 0, 0);
+    add2[s] = kAdd2 ? load16_if(p.add2 + token * p.add2_stride + col[s], valid[s]) : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    if constexpr (kAdd) {
+      prefix[s] = add_to_prefix<MODE>(prefix[s], add[s], add2[s]);
+      if (valid[s] && p.updated) store16(p.updated + token * p.updated_stride + col[s], prefix[s]);
+    }
+    // Without an addend the snapshot row is layer_residual itself.
+    if (valid[s] && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col[s], prefix[s]);
+  }
+  // Candidate n: bank row n < K (the newest K-1 loaded after the wait), P at n = K, zero past it.
+  const auto candidate = [&](int s, int n) {
+    if (n < kEarlyRows && n + 1 < K) return rows[s][n < kEarlyRows ? n : 0];
+    return n + 1 == K ? newest[s] : (n == K ? prefix[s] : make_uint4(0, 0, 0, 0));
+  };
+
+  // ---- the candidates' (sum of squares, dot with q): warp (reduce-scatter), block (32-vector warps in order) ----
+  float prob[NMAX];
+  if (scores) {
+    constexpr int kWidth = scatter_width(S * kValues);
+    constexpr int kLanesPerValue = 32 / kWidth;
+    float part[kWidth];
+#pragma unroll
+    for (int i = S * kValues; i < kWidth; ++i) part[i] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      // q = rms_weight * res_weight in fp32, never rounded; read here, not held across the loads.
+      float q[8], a[8], b[8];
+      unpack8(load16_if(p.res_weight + col[s], valid[s]), a);
+      unpack8(load16_if(p.rms_weight + col[s], valid[s]), b);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];
+#pragma unroll
+      for (int n = 0; n < NMAX; ++n)
+        vector_scores(candidate(s, n), q, part[s * kValues + 2 * n], part[s * kValues + 2 * n + 1]);
+    }
+    {
+      const float sum = warp_reduce_scatter<kWidth>(part, lane);
+      const int index = lane / kLanesPerValue;
+      if (lane % kLanesPerValue == 0 && index < S * kValues)
+        warp_part[(group * S + index / kValues) * kChunkWarps + group_warp][index % kValues] = sum;
+    }
+    __syncthreads();
+    if (tid < 2 * N) totals[tid] = chunked_sum<kWarpSlots, true>(&warp_part[0][tid], kValues, kWarpSlots);
+    __syncthreads();
+
+    float rsigma[NMAX], logit[NMAX];
+    candidate_softmax<NMAX>(totals, N, p.inv_hidden, p.rms_eps, rsigma, logit, prob);
+    if constexpr (!kNorm) {
+      if (tid < N && p.rsigma) store_diagnostics<NMAX>(p, token, tid, rsigma, logit, prob);
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n) prob[n] = single_candidate_rule(1, n, 0.0f);
+  }
+
+  // ---- the mixture, rounded to bf16 once (ops.md step 6), kept packed ----
+  uint4 mixed[S];
+#pragma unroll
+  for (int s = 0; s < S; ++s) {
+    float mix[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) mix[e] = 0.0f;
+#pragma unroll
+    for (int n = 0; n < NMAX; ++n) {
+      float x[8];
+      unpack8(candidate(s, n), x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mix[e] = fmaf(prob[n], x[e], mix[e]);
+    }
+    mixed[s] = valid[s] ? pack8(mix) : make_uint4(0, 0, 0, 0);
+    if (valid[s]) {
+      if constexpr (!kNorm) {
+        store16(p.output + token * p.output_stride + col[s], mixed[s]);
+      } else {
+        if (p.mixture) store16(p.mixture + token * p.mixture_stride + col[s], mixed[s]);
+      }
+    }
+  }
+
+  if constexpr (kNorm) {
+    // ---- trailing RMSNorm in Kimi's two-rounding order (ops.md step 7) ----
+    constexpr int kSqWidth = pow2_at_least(S);
+    float sq[kSqWidth];
+#pragma unroll
+    for (int s = 0; s < kSqWidth; ++s) {
+      sq[s] = 0.0f;
+      if (s < S) {
+        float m[8];
+        unpack8(mixed[s < S ? s : 0], m);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sq[s] = fmaf(m[e], m[e], sq[s]);
+      }
+    }
+    const float sum = warp_reduce_scatter<kSqWidth>(sq, lane);
+    {
+      const int index = lane / (32 / kSqWidth);
+      if (lane % (32 / kSqWidth) == 0 && index < S) warp_sq[(group * S + index) * kChunkWarps + group_warp] = sum;
+    }
+    __syncthreads();
+    if (tid == 0) block_sq = chunked_sum<kWarpSlots, true>(warp_sq, 1, kWarpSlots);
+    __syncthreads();
+    const float r = norm_scale(block_sq, p.inv_hidden, p.norm_eps);
+#pragma unroll
+    for (int s = 0; s < S; ++s) {
+      if (valid[s]) {
+        float m[8];
+        unpack8(mixed[s], m);
+        store16(p.output + token * p.output_stride + col[s],
+                rms_output8_scaled(m, r, load16_if(p.norm_weight + col[s], true)));
+      }
+    }
+  }
+}
+
+}  // namespace attnres::detail
