@@ -70,21 +70,24 @@ __global__ void __launch_bounds__(kBlocksThreads<C, S>, MIN_BLOCKS)
   const __nv_bfloat16* const prefix_row = p.layer_residual + token * p.lr_stride;
 
   // ---- before the grid dependency: bank rows 0..K-2 (no earlier kernel of the step writes them) ----
-  uint4 rows[S][kEarlyRows > 0 ? kEarlyRows : 1];
+  uint4 rows[S][NMAX - 1];
 #pragma unroll
   for (int s = 0; s < S; ++s)
 #pragma unroll
-    for (int n = 0; n < kEarlyRows; ++n)
-      rows[s][n] = load16_if(bank + n * p.bank_snapshot_stride + col[s], valid[s] && n + 1 < K);
+    for (int n = 0; n < NMAX - 1; ++n)
+      rows[s][n] = n < kEarlyRows ? load16_if(bank + n * p.bank_snapshot_stride + col[s], valid[s] && n + 1 < K)
+                                  : make_uint4(0, 0, 0, 0);
 
   grid_dependency_wait();
   launch_dependents();
 
-  // ---- after it: the newest bank row K-1, the prefix, the addends ----
-  uint4 newest[S], prefix[S], add[S], add2[S];
+  // ---- after it: the newest bank row K-1 into its slot, the prefix, the addends ----
+  uint4 prefix[S], add[S], add2[S];
 #pragma unroll
   for (int s = 0; s < S; ++s) {
-    newest[s] = load16_if(bank + (K - 1) * p.bank_snapshot_stride + col[s], valid[s] && K >= 1);
+#pragma unroll
+    for (int n = 0; n < NMAX - 1; ++n)
+      rows[s][n] = load16_or_keep(rows[s][n], bank + n * p.bank_snapshot_stride + col[s], valid[s] && n + 1 == K);
     prefix[s] = load16_if(prefix_row + col[s], valid[s]);
     add[s] = kAdd ? load16_if(p.add + token * p.add_stride + col[s], valid[s]) : make_uint4(0, 0, 0, 0);
     add2[s] = kAdd2 ? load16_if(p.add2 + token * p.add2_stride + col[s], valid[s]) : make_uint4(0, 0, 0, 0);
@@ -98,10 +101,9 @@ __global__ void __launch_bounds__(kBlocksThreads<C, S>, MIN_BLOCKS)
     // Without an addend the snapshot row is layer_residual itself.
     if (valid[s] && p.snapshot) store16(p.snapshot + token * p.bank_token_stride + col[s], prefix[s]);
   }
-  // Candidate n: bank row n < K (the newest K-1 loaded after the wait), P at n = K, zero past it.
+  // Candidate n: bank row n < K, P at n = K, zero past it.
   const auto candidate = [&](int s, int n) {
-    if (n < kEarlyRows && n + 1 < K) return rows[s][n < kEarlyRows ? n : 0];
-    return n + 1 == K ? newest[s] : (n == K ? prefix[s] : make_uint4(0, 0, 0, 0));
+    return n < K ? rows[s][n < NMAX - 1 ? n : 0] : (n == K ? prefix[s] : make_uint4(0, 0, 0, 0));
   };
 
   // ---- the candidates' (sum of squares, dot with q): warp (reduce-scatter), block (32-vector warps in order) ----

@@ -31,6 +31,20 @@ __device__ __forceinline__ uint4 load16_if(const __nv_bfloat16* p, bool pred) {
       : "memory");
   return v;
 }
+// `v` replaced by the 16 bytes at p only when `pred` holds: a predicated load into the same registers, so merging a
+// row that may or may not have been loaded earlier takes no second register set.
+__device__ __forceinline__ uint4 load16_or_keep(uint4 v, const __nv_bfloat16* p, bool pred) {
+  asm volatile(
+      "{\n"
+      "  .reg .pred q;\n"
+      "  setp.ne.b32 q, %5, 0;\n"
+      "  @q ld.global.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      "}\n"
+      : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w)
+      : "l"(p), "r"(static_cast<int>(pred))
+      : "memory");
+  return v;
+}
 __device__ __forceinline__ void store16(__nv_bfloat16* p, uint4 v) { *reinterpret_cast<uint4*>(p) = v; }
 
 // bf16 -> fp32 is exact: the bf16 bits are the high half of the fp32 word.
