@@ -1,8 +1,9 @@
-"""The streaming single_cta's token buffers (python -m bench stream): one run measures the kernel with 2, 3 and 4
-token buffers (attnres._stream_tuning's buffers knob: the token being reduced and 1..3 tokens whose rows are in
-flight; a count the N bucket is not built with is recorded as declined) interleaved with the default options and
-split_k, at T in {256, 1024, 4096, 16384} x N in {1, 2, 3, 4}, with and without the addend (attn_res_add_rmsnorm
-/ attn_res_rmsnorm), H = 7168, cold L2 (rotating sets past twice the L2), against the copy floor of the same run.
+"""single_cta at large T (python -m bench stream): one run measures the streaming kernel with 2, 3 and 4 token
+buffers (attnres._stream_tuning's buffers knob: the token being reduced and 1..3 tokens whose rows are in flight; a
+count the N bucket is not built with is recorded as declined) and the token-block kernel (one block per token,
+several per SM: the knob's `token_blocks` at every T), interleaved with the default options and split_k, at T in
+{256, 1024, 4096, 16384} x N in {1, 2, 3, 4}, with and without the addend (attn_res_add_rmsnorm /
+attn_res_rmsnorm), H = 7168, cold L2 (rotating sets past twice the L2), against the copy floor of the same run.
 
 The question it answers (plan_tuning.hpp stream_buffers): where a token's DRAM reads are one row (N = 1 without
 the addend) one token in flight per SM is ~14 KB at H = 7168, below what an SM needs in flight to draw its share
@@ -38,6 +39,8 @@ def _options(name: str, pdl: bool):
         return attnres.Options(pdl=pdl)
     if name == "split_k":
         return attnres.Options(kernel="split_k", pdl=pdl)
+    if name == "token_blocks":
+        return stream.StreamOptions(stream.NEVER, "single_cta", pdl, blocks_min_tokens=stream.ALWAYS)
     return stream.StreamOptions(0, "single_cta", pdl, buffers=int(name.split(":")[1]))
 
 
@@ -45,7 +48,7 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
     nbytes = op_bytes(T, N, H, add)
     sets = make_sets(T, N, H, rotating_sets(nbytes, minimum=1), seed=T * 100 + N + 7 * add)
     calls = [sets[i % len(sets)] for i in range(max(MIN_CALLS, len(sets)))]
-    names = ["default", "split_k"] + [f"buffers:{b}" for b in BUFFERS]
+    names = ["default", "split_k", "token_blocks"] + [f"buffers:{b}" for b in BUFFERS]
     opts, declined = {}, {}
     for n in names:
         o = _options(n, pdl)
@@ -120,7 +123,8 @@ def summary(records: list[dict]) -> list[str]:
                 lines.append(f"  {r['provider']:<10} declined: {r['declined']}")
                 continue
             p = r["plan"] or {}
-            shape = f"{p.get('kernel')}/{p.get('route')} {p.get('slots')} buffers" if p else ""
+            shape = (f"{p.get('kernel')}/{p.get('route')}" + (f" {p.get('slots')} buffers" if p.get("slots") else "")
+                     if p else "")
             speed = f", {base['median_us'] / r['median_us']:.3f}x two buffers" if base else ""
             lines.append(f"  {r['provider']:<10} {shape:<32} {r['median_us']:9.2f} us (p10-p90 {r['p10_us']:.1f}-"
                          f"{r['p90_us']:.1f}) {r['pct_copy']:5.1f}% of copy{speed}"

@@ -18,12 +18,13 @@ src=$work/src/cpp/src/cuda
 sed -i 's/^\(    attn_res_per_token_kernel(const __grid_constant__ PerTokenParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_per_token.cuh"
 sed -i 's/^\(    attn_res_persistent_kernel(const __grid_constant__ PersistentParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_persistent.cuh"
 sed -i 's/^\(    attn_res_stream_kernel(const __grid_constant__ PerTokenParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_stream.cuh"
+sed -i 's/^\(    attn_res_blocks_kernel(const __grid_constant__ PerTokenParams p) {\)$/\1\n  launch_dependents();/' "$src/attn_res_blocks.cuh"
 sed -i 's/^\(.*moe_finalize_single_cta(const MoeParams p) {\)$/\1\n  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");/' "$src/moe_finalize_kernel.cu"
 applied=$(cat "$src/attn_res_per_token.cuh" "$src/attn_res_persistent.cuh" "$src/attn_res_stream.cuh" \
-  "$src/moe_finalize_kernel.cu" |
-  grep -A1 -E "attn_res_(per_token|persistent|stream)_kernel\(const|moe_finalize_single_cta\(const" |
+  "$src/attn_res_blocks.cuh" "$src/moe_finalize_kernel.cu" |
+  grep -A1 -E "attn_res_(per_token|persistent|stream|blocks)_kernel\(const|moe_finalize_single_cta\(const" |
   grep -c "launch_dependents")
-if [[ $applied != 4 ]]; then echo "pdl_teeth: the mutation applied to $applied of 4 kernels"; exit 2; fi
+if [[ $applied != 5 ]]; then echo "pdl_teeth: the mutation applied to $applied of 5 kernels"; exit 2; fi
 
 echo "== building the entry-release mutant"
 if ! CMAKE_ARGS="-DCMAKE_CUDA_ARCHITECTURES=90 -DATTNRES_CUDA=ON" python3 -m pip install --no-build-isolation \

@@ -59,6 +59,7 @@ const char* route_name(Route route) {
     case Route::stream: return "stream";
     case Route::persistent: return "persistent";
     case Route::cpu: return "cpu";
+    case Route::token_blocks: return "token_blocks";
   }
   return "unknown_route";
 }
@@ -144,12 +145,34 @@ bool single_cta_fits(const PlanQuery& q) {
   return q.hidden / 8 <= tuning::kSingleCtaMaxThreads && q.candidates <= tuning::kSingleCtaMaxCandidates;
 }
 
-// The automatic per-token choice: the streaming single_cta where the GPU's measurement favours it
-// (tuning::prefer_single_cta) and where it streams; split_k otherwise.
-bool automatic_streams(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+// single_cta runs the token-block kernel (cuda/attn_res_blocks.cuh) from the knob's T on, by default from the
+// GPU's measured table's (tuning::automatic_token_blocks_min_tokens), with bf16 output (the FP8 epilogue is the
+// streaming kernel's).
+bool token_blocks(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
+  if (q.fp8 != Fp8Scales::none || !single_cta_fits(q)) return false;
+  const bool norm = q.op != AttnResOp::attn_res;
+  const int64_t from = o.token_blocks_min_tokens > 0
+                           ? o.token_blocks_min_tokens
+                           : tuning::automatic_token_blocks_min_tokens(q.candidates, q.hidden,
+                                                                       (q.add ? 1 : 0) + (q.add2 ? 1 : 0), norm,
+                                                                       tuning::topology_grid(dev.name));
+  return q.tokens >= from;
+}
+
+// The token-block kernel's block: ceil(C / kTokenBlocksVectors) groups of kSplitKBlockVectors threads.
+int32_t token_blocks_threads(int64_t hidden) {
+  const int64_t chunks = tuning::split_k_cluster(hidden);
+  return static_cast<int32_t>((chunks + tuning::kTokenBlocksVectors - 1) / tuning::kTokenBlocksVectors *
+                              tuning::kSplitKBlockVectors);
+}
+
+// The automatic per-token choice: single_cta where the GPU's measurement favours it (the token-block kernel's
+// table, or tuning::prefer_single_cta where it streams); split_k otherwise.
+bool automatic_single_cta(const PlanQuery& q, const DeviceInfo& dev, const Options& o) {
   return single_cta_fits(q) &&
-         tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden, q.add, tuning::topology_grid(dev.name)) &&
-         stream_smem_bytes(q, dev, o) > 0;
+         (token_blocks(q, dev, o) ||
+          (tuning::prefer_single_cta(q.tokens, q.candidates, q.hidden, q.add, tuning::topology_grid(dev.name)) &&
+           stream_smem_bytes(q, dev, o) > 0));
 }
 
 // The rows the persistent kernel streams per token: K bank rows, the prefix, the addends.
@@ -179,7 +202,7 @@ bool routes_to_persistent(const PlanQuery& q, const DeviceInfo& dev, const Optio
   if (o.topology == Topology::persistent) return true;
   if (o.topology == Topology::split) return q.tokens > o.split_max_tokens;
   if (o.topology == Topology::automatic)
-    return !automatic_streams(q, dev, o) &&
+    return !automatic_single_cta(q, dev, o) &&
            tuning::automatic_prefers_persistent(q.tokens, q.candidates, q.hidden, (q.add ? 1 : 0) + (q.add2 ? 1 : 0),
                                                  persistent_blocks_per_sm(q, dev, o) == 2,
                                                  tuning::topology_grid(dev.name)) &&
@@ -271,6 +294,9 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
   if (o.stream_min_tokens < 0)
     throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_min_tokens must be >= 0 (0: the plan's "
                         "bound), got " + std::to_string(o.stream_min_tokens));
+  if (o.token_blocks_min_tokens < 0)
+    throw ArgumentError(std::string(op_name(q.op)) + ": options.token_blocks_min_tokens must be >= 0 (0: the "
+                        "plan's table), got " + std::to_string(o.token_blocks_min_tokens));
   if (o.stream_buffers != 0 && (o.stream_buffers < 2 || o.stream_buffers > tuning::kStreamMaxBuffers))
     throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_buffers must be 0 (the plan's choice) or in [2, " +
                         std::to_string(tuning::kStreamMaxBuffers) + "], got " + std::to_string(o.stream_buffers));
@@ -342,7 +368,7 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
   const int64_t vecs = q.hidden / 8;  // 16-byte vectors per row
   KernelKind kernel = o.kernel;
   if (kernel == KernelKind::automatic)
-    kernel = automatic_streams(q, dev, o) ? KernelKind::single_cta : KernelKind::split_k;
+    kernel = automatic_single_cta(q, dev, o) ? KernelKind::single_cta : KernelKind::split_k;
   if (kernel == KernelKind::single_cta && !single_cta_fits(q))
     return declined(DeclineCode::single_cta_too_large,
                     "single_cta holds a token's rows in one block's registers: it needs H <= " +
@@ -361,7 +387,13 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
   p.pdl = o.pdl;
   p.vectors = 1;
   p.max_candidates = tuning::candidate_bucket(q.candidates);
-  if (kernel == KernelKind::single_cta) {
+  if (kernel == KernelKind::single_cta && token_blocks(q, dev, o)) {
+    p.cluster = 1;
+    p.route = Route::token_blocks;
+    p.threads = token_blocks_threads(q.hidden);
+    p.vectors = tuning::kTokenBlocksVectors;
+    p.blocks_per_sm = tuning::token_blocks_per_sm(p.max_candidates);
+  } else if (kernel == KernelKind::single_cta) {
     p.cluster = 1;
     p.smem_bytes = stream_smem_bytes(q, dev, o);
     p.threads = p.smem_bytes > 0 ? stream_threads(q.hidden) : one_block_threads(q.hidden);

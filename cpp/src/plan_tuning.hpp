@@ -118,6 +118,36 @@ constexpr int64_t stream_smem_bytes(int32_t bucket, bool add, bool add2, int32_t
 // instances of buckets 2 and 4: the per-warp partial sums).
 constexpr int64_t kStreamStaticSharedBytes = 4096;
 
+// The token-block single_cta (cuda/attn_res_blocks.cuh): one block per token (grid = T), several resident per SM,
+// each thread owning kTokenBlocksVectors vectors of a row (one of each of that many of split_k's rank chunks, so a
+// block has ceil(split_k_cluster(H) / 4) groups of kSplitKBlockVectors threads: 256 at H = 7168). It takes no
+// shared-memory ring; the SM's other blocks overlap a token's serial chain of barriers and block sums, which the
+// streaming single_cta's one block per SM cannot. Registers bounded for 3 blocks per SM at N <= 2 (80 registers,
+// no spills, ptxas 13.0) and 2 at N = 3, 4 (128, <= 8 bytes spilled); at N <= 2, 3 blocks of 256 threads ran
+// level with or faster than 4 blocks of 128 threads (7 vectors each) and 2 of 256 (h100_6af7c58_token_blocks_ab.txt).
+constexpr int32_t kTokenBlocksVectors = 4;
+constexpr int32_t token_blocks_per_sm(int32_t bucket) { return bucket <= 2 ? 3 : 2; }
+// The automatic choice takes it where it measured faster than the kernel taken before (the streaming single_cta at
+// N <= 2, split_k at N = 3 with one addend, the streaming kernel without an addend at N = 3, 4) on the H100 at
+// H = 7168, T = 4096 and 16384 (h100_6af7c58_token_blocks_ab.txt, cold L2, interleaved, same run): one addend
+// N = 1..3, two addends N = 1, 2, attn_res N = 1, 2 (with addends, not measured apart, the same N), attn_res_rmsnorm
+// N = 2..4 (not N = 1, where the streaming kernel's four token buffers stay 4 % ahead). At T = 1024 it ran 7-30 %
+// slower than the streaming kernel (~2.6 blocks per resident slot: the last partial round weighs more), so from
+// T = 4096 on; T in between is not measured. The H200 is not measured: it keeps the streaming kernel. Where the
+// one-block layout has more than 512 threads (H > 4096), as at the measured H.
+constexpr int64_t kTokenBlocksMinTokensH100 = 4096;
+constexpr int64_t kNeverTokenBlocks = kMaxTokensPerLaunch + 1;
+// addends: 0, 1 or 2; norm: the op ends in the RMSNorm (attn_res_rmsnorm, attn_res_add_rmsnorm).
+constexpr int64_t automatic_token_blocks_min_tokens(int64_t candidates, int64_t hidden, int32_t addends, bool norm,
+                                                    TopologyGrid grid = TopologyGrid::h200) {
+  if (grid != TopologyGrid::h100 || hidden / 8 < kAutomaticStreamMinThreads) return kNeverTokenBlocks;
+  const bool faster = !norm          ? candidates <= 2
+                      : addends == 1 ? candidates <= 3
+                      : addends == 2 ? candidates <= 2
+                                     : candidates >= 2 && candidates <= 4;
+  return faster && candidates >= 1 ? kTokenBlocksMinTokensH100 : kNeverTokenBlocks;
+}
+
 // split_k cluster size: enough blocks that each owns at most kSplitKBlockVectors vectors (1024 elements),
 // capped at the portable 8. A function of H only, never of T: a token's result must not depend on how many
 // tokens share the call. It fixes the reduction order of every kernel (see split_k_chunk). At H = 7168 (7 blocks)

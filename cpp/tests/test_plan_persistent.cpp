@@ -332,6 +332,7 @@ TEST(PlanPersistent, AutomaticGeometryIsTwoBlocksWhereTheyFit) {
 // every measured N and T, so it is never taken, where the H200's thresholds take it at N = 3..10 (13 without the
 // addend); without the addend N <= 4 stream there.
 TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
+  using attnres::Route;
   using tuning::TopologyGrid;
   EXPECT_EQ(tuning::topology_grid("NVIDIA H100 80GB HBM3"), TopologyGrid::h100);
   EXPECT_EQ(tuning::topology_grid("NVIDIA H100 PCIe"), TopologyGrid::h100);
@@ -376,11 +377,15 @@ TEST(PlanPersistent, AutomaticTopologyHasTheH100sGrid) {
         EXPECT_EQ(tuning::prefer_single_cta(T, n, 7168, add, TopologyGrid::h200), h200_streams);
         EXPECT_EQ(tuning::prefer_single_cta(T, n, 7168, add, TopologyGrid::h100), h100_streams);
         EXPECT_EQ(tuning::prefer_single_cta(T, n, 4096, add, TopologyGrid::h100), false);  // H <= 4096: split_k
+        // From T = 4096 the H100 runs single_cta's token blocks instead where its table says so (with the addend
+        // N <= 3; without it N = 2..4), the streaming kernel elsewhere.
+        const bool h100_blocks = T >= 4096 && (add ? n <= 3 : n >= 2 && n <= 4);
         const Plan p = attnres::plan(query(op, T, n, 7168, add), attnres::described_device("h100"), Options{});
         ASSERT_TRUE(p.accepted()) << p.decline;
-        if (h100_streams) { EXPECT_EQ(p.kernel, KernelKind::single_cta); }
+        if (h100_streams || h100_blocks) { EXPECT_EQ(p.kernel, KernelKind::single_cta); }
         else { EXPECT_NE(p.kernel, KernelKind::single_cta); }
-        if (p.kernel != KernelKind::persistent) { EXPECT_EQ(p.smem_bytes > 0, h100_streams); }  // stream buffers
+        EXPECT_EQ(p.route == Route::token_blocks, h100_blocks);
+        if (p.kernel != KernelKind::persistent) { EXPECT_EQ(p.smem_bytes > 0, h100_streams && !h100_blocks); }
       }
 }
 

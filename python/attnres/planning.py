@@ -29,7 +29,8 @@ class PlanInfo:
     # persistent kernel: grid, blocks per SM, 16-byte vectors per consumer thread, ring slots, passes over each
     # row, and the dynamic shared memory of a block; single_cta: smem_bytes > 0 when it streams (its blocks,
     # as many as are resident, loop over the tokens with the next slots - 1 tokens' rows prefetched into that
-    # memory, `slots` token buffers, and each thread owns `vectors` 16-byte slices of a row)
+    # memory, `slots` token buffers, and each thread owns `vectors` 16-byte slices of a row); the token-block
+    # single_cta: one block per token, `blocks_per_sm` resident per SM, `vectors` slices per thread
     blocks: int = 0
     blocks_per_sm: int = 0
     vectors: int = 0
@@ -37,7 +38,7 @@ class PlanInfo:
     passes: int = 0
     smem_bytes: int = 0
     # The kernel family: "per_token" (split_k, or single_cta one token per block), "stream" (the streaming
-    # single_cta), "persistent", "cpu"; "none" when declined. decline_code: why, as a name of _C.DeclineCode
+    # single_cta), "token_blocks" (the token-block single_cta), "persistent", "cpu"; "none" when declined. decline_code: why, as a name of _C.DeclineCode
     # ("none" when accepted); callers branch on these, never on the sentence.
     route: str = "none"
     decline_code: str = "none"
@@ -57,8 +58,8 @@ def plan_info(p: _C.Plan) -> PlanInfo:
                     max_candidates=p.max_candidates, pdl=p.pdl, route=route, decline_code=code,
                     **({"blocks": p.blocks, "blocks_per_sm": p.blocks_per_sm, "vectors": p.vectors,
                         "slots": p.slots, "passes": p.passes, "smem_bytes": p.smem_bytes} if persistent else
-                       {"smem_bytes": p.smem_bytes, "vectors": p.vectors if p.smem_bytes > 0 else 0,
-                        "slots": p.slots}))
+                       {"smem_bytes": p.smem_bytes, "slots": p.slots, "blocks_per_sm": p.blocks_per_sm,
+                        "vectors": p.vectors if p.smem_bytes > 0 or p.route == _C.Route.token_blocks else 0}))
 
 
 _DESCRIBED = ("h100", "h200")

@@ -181,7 +181,8 @@ NB_MODULE(_C, m) {
       .def_rw("_persistent_slots", &Options::persistent_slots)
       .def_rw("_persistent_passes", &Options::persistent_passes)
       .def_rw("_stream_min_tokens", &Options::stream_min_tokens)
-      .def_rw("_stream_buffers", &Options::stream_buffers);
+      .def_rw("_stream_buffers", &Options::stream_buffers)
+      .def_rw("_token_blocks_min_tokens", &Options::token_blocks_min_tokens);
 
   nb::class_<PlanQuery>(m, "PlanQuery")
       .def(nb::init<>())
@@ -202,7 +203,8 @@ NB_MODULE(_C, m) {
       .value("per_token", Route::per_token)
       .value("stream", Route::stream)
       .value("persistent", Route::persistent)
-      .value("cpu", Route::cpu);
+      .value("cpu", Route::cpu)
+      .value("token_blocks", Route::token_blocks);
   {
     nb::enum_<DeclineCode> codes(m, "DeclineCode");
     for (int32_t c = 0; c <= static_cast<int32_t>(DeclineCode::split_k_threads); ++c)

@@ -10,10 +10,10 @@ The chains below make a violation visible. A "sleeper" (a foreign kernel that re
 entry and then spins for ~2 ms, longer than the host takes to launch the rest of the chain) goes first, so
 the writer after it is resident early and waits on it for a long time. The writer (the per-token add op with
 a snapshot write) writes bank row S only after that wait; zero, one or two fillers (per-token, persistent,
-moe_finalize, the streaming single_cta or plain PyTorch kernels, on data of their own) follow; then a reader
-(split_k on rows 0..S+1, the persistent kernel on S-3..S+1, the streaming single_cta on S-2..S+1) mixes the
-writer's tokens, with row S among its
-pre-wait rows (its newest row, loaded after the wait, when no filler is between). Row S is poisoned before
+moe_finalize, the streaming or token-block single_cta or plain PyTorch kernels, on data of their own) follow; then
+a reader (split_k on rows 0..S+1, the persistent kernel on S-3..S+1, the streaming and the token-block single_cta
+on S-2..S+1) mixes the writer's tokens, with row S among its pre-wait rows (its newest row, loaded after the
+wait, when no filler is between). Row S is poisoned before
 every run. With every release after the wait, the reader's pre-wait section starts only after the writer has
 completed, and its output equals, bit for bit, the same reader run on the settled bank with PDL off. A kernel
 that released at entry would let the reader start while the writer still waits on the sleeper: it would read
@@ -117,6 +117,9 @@ class Chain:
         elif kind == "stream":
             stream.attn_res_add_rmsnorm(stream.ALWAYS, self.f_prefix, self.f_add, self.f_bank, self.res_w,
                                         self.rms_w, self.norm_w, 1e-5, 1e-5)
+        elif kind == "token_blocks":
+            stream.attn_res_add_rmsnorm(stream.NEVER, self.f_prefix, self.f_add, self.f_bank, self.res_w, self.rms_w,
+                                        self.norm_w, 1e-5, 1e-5, blocks_min_tokens=stream.ALWAYS)
         elif kind == "torch":
             self.scratch.mul_(1.0)
         else:
@@ -127,6 +130,10 @@ class Chain:
             return stream.attn_res_add_rmsnorm(stream.ALWAYS, self.reader_prefix, self.reader_add,
                                                self.reader_bank(newest_is_s, rows=3), self.res_w, self.rms_w,
                                                self.norm_w, 1e-5, 1e-5, pdl=pdl)[1]
+        if reader == "token_blocks":  # the token-block single_cta at every T
+            return stream.attn_res_add_rmsnorm(stream.NEVER, self.reader_prefix, self.reader_add,
+                                               self.reader_bank(newest_is_s, rows=3), self.res_w, self.rms_w,
+                                               self.norm_w, 1e-5, 1e-5, pdl=pdl, blocks_min_tokens=stream.ALWAYS)[1]
         bank = self.reader_bank(newest_is_s)
         if reader == "split_k":
             opts = attnres.Options(kernel="split_k", pdl=pdl)
@@ -154,7 +161,8 @@ def chain():
 
 # The writer's row is read by the reader 1 (no filler: as its newest row), 2 or 3 launches later.
 FILLERS = [(), ("per_token",), ("persistent",), ("finalize",), ("stream",), ("torch",), ("per_token", "persistent"),
-           ("finalize", "per_token"), ("torch", "per_token"), ("persistent", "finalize"), ("stream", "persistent")]
+           ("finalize", "per_token"), ("torch", "per_token"), ("persistent", "finalize"), ("stream", "persistent"),
+           ("token_blocks",), ("token_blocks", "per_token")]
 
 
 def _races_under_entry_release(fillers) -> bool:
@@ -183,7 +191,7 @@ def _settled(chain: Chain, reader: str, fillers) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fillers", FILLERS, ids=lambda f: "+".join(f) or "none")
-@pytest.mark.parametrize("reader", ["split_k", "persistent", "stream"])
+@pytest.mark.parametrize("reader", ["split_k", "persistent", "stream", "token_blocks"])
 def test_reader_sees_rows_written_launches_earlier(chain, reader, fillers):
     expected = _settled(chain, reader, fillers)
     raced = 0
@@ -195,7 +203,7 @@ def test_reader_sees_rows_written_launches_earlier(chain, reader, fillers):
 
 
 @pytest.mark.parametrize("fillers", FILLERS, ids=lambda f: "+".join(f) or "none")
-@pytest.mark.parametrize("reader", ["split_k", "persistent", "stream"])
+@pytest.mark.parametrize("reader", ["split_k", "persistent", "stream", "token_blocks"])
 def test_reader_sees_rows_written_launches_earlier_in_graph(chain, reader, fillers):
     expected = _settled(chain, reader, fillers)
     graph, out = capture(lambda: chain.run(reader, fillers))

@@ -346,7 +346,7 @@ def test_plan_names_its_route_and_decline_code():
     assert set(_C.DeclineCode.__members__) >= {"none", "bad_shape", "no_cuda_backend", "compute_capability",
                                                "persistent_unsupported_feature",
                                                "persistent_not_resident"}
-    assert set(_C.Route.__members__) == {"none", "per_token", "stream", "persistent", "cpu"}
+    assert set(_C.Route.__members__) == {"none", "per_token", "stream", "persistent", "cpu", "token_blocks"}
 
 
 def test_the_tuning_modules_report_through_plan_info():

@@ -103,6 +103,10 @@ struct Options {
   // reduced and the ones in flight; the same bits). 0: the plan's count (plan_tuning.hpp stream_buffers), else
   // 2..4 where the call's N bucket is built with it (ArgumentError otherwise).
   int32_t stream_buffers = 0;
+  // Benchmark-only (`_token_blocks_min_tokens` of the binding): single_cta runs the token-block kernel (one block
+  // per token, several per SM; the same bits) from this T on, where the output is bf16. 0: the plan's table
+  // (plan_tuning.hpp automatic_token_blocks_min_tokens).
+  int64_t token_blocks_min_tokens = 0;
 };
 
 // What the plan needs to know of a call: a pure function of these, the device and the options.
@@ -117,9 +121,10 @@ struct PlanQuery {
 };
 
 // Which kernel family runs a call: the per-token kernels (split_k, or single_cta one token per block), the
-// streaming single_cta (its blocks loop over the tokens), the persistent kernel, or the CPU backend; none when
+// streaming single_cta (its blocks loop over the tokens), the token-block single_cta (one block per token, several
+// per SM), the persistent kernel, or the CPU backend; none when
 // declined.
-enum class Route : int32_t { none = 0, per_token = 1, stream = 2, persistent = 3, cpu = 4 };
+enum class Route : int32_t { none = 0, per_token = 1, stream = 2, persistent = 3, cpu = 4, token_blocks = 5 };
 const char* route_name(Route route);
 
 // Why a plan declines (one value per reason; the sentence in Plan::decline says it for the caller).
@@ -150,7 +155,7 @@ const char* decline_code_name(DeclineCode code);
 // records it), and plan(query, device, options) for the call's shape on its queried device is that plan too.
 struct Plan {
   KernelKind kernel = KernelKind::automatic;  // the kernel that runs; automatic when declined
-  Route route = Route::none;                  // the kernel family (single_cta is per_token or stream)
+  Route route = Route::none;                  // the kernel family (single_cta: per_token, stream or token_blocks)
   std::string decline;                        // why the call cannot run as asked; empty when accepted
   DeclineCode decline_code = DeclineCode::none;
   // CUDA launch geometry (per-token kernels): one cluster of `cluster` blocks of `threads` threads per

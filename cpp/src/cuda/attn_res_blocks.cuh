@@ -2,9 +2,10 @@
 // serial chain of barriers and block sums overlaps other tokens' loads on the same SM instead of stalling it
 // (the streaming single_cta's one block per SM reduces its tokens one after the other).
 //
-//   * Layout. The block has ceil(C / S) groups of kChunkThreads threads, C = split_k_cluster(H) rank chunks of
-//     p.chunk vectors. Thread t of group g owns vector t of each of the chunks g * S ... g * S + S - 1, so warp w
-//     of group g holds, in its slot s, split_k's 32-vector warp w of chunk g * S + s, lane for lane.
+//   * Layout. C = split_k_cluster(H) rank chunks of p.chunk vectors; the block has ceil(C / S) groups of
+//     kChunkThreads threads (S = tuning::kTokenBlocksVectors). Thread t of group g owns vector t of each of the
+//     chunks g * S ... g * S + S - 1, so warp w of group g holds, in its slot s, split_k's 32-vector warp w of
+//     chunk g * S + s, lane for lane.
 //   * Bits. Per value, one reduce-scatter per warp (each value's tree is the butterfly over its 32 lanes), then
 //     chunked_sum over the 32-vector warps in chunk order: split_k's order, with the per-vector code of the other
 //     kernels (attn_res_steps.cuh, vector_scores). Chunks past C (the last group's padding) hold +0.
@@ -12,8 +13,8 @@
 //     once; the weights are read where they are used (L1/L2 hits), the mixture is kept packed as bf16 between
 //     the norm's two passes.
 //   * PDL. Bank rows 0..K-2 are loaded before griddepcontrol.wait, dependents released right after it
-//     (attn_res_per_token.cuh "PDL release"). Row NMAX - 2 can never be a pre-wait row (K <= NMAX - 1), so it is
-//     loaded only after the wait.
+//     (attn_res_per_token.cuh "PDL release"); the newest row K-1 is loaded after the wait into its own slot by a
+//     predicated load that leaves the slot as it is otherwise (no second register set).
 //   * In place (`updated` = layer_residual): a vector's prefix is loaded and stored by the one thread that owns it.
 #pragma once
 
@@ -27,33 +28,35 @@
 
 namespace attnres::detail {
 
-template <int C, int S>
-constexpr int kBlocksGroups = (C + S - 1) / S;
-template <int C, int S>
-constexpr int kBlocksThreads = kChunkThreads * kBlocksGroups<C, S>;
+// The rank chunks one group of kChunkThreads threads covers (each thread one vector of each) and the most groups a
+// block has: split_k_cluster(H) <= kMaxCluster chunks.
+constexpr int kBlocksVectors = tuning::kTokenBlocksVectors;
+constexpr int kBlocksMaxThreads = kChunkThreads * ((kMaxClusterRanks + kBlocksVectors - 1) / kBlocksVectors);
+constexpr int kBlocksMaxWarpSlots = kBlocksMaxThreads / 32 * kBlocksVectors;  // 32-vector warps of a token
 
 constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
 
-template <int NMAX, Mode MODE, int C, int S, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kBlocksThreads<C, S>, MIN_BLOCKS)
+// MIN_BLOCKS: the blocks resident per SM the registers are bounded for (tuning::token_blocks_per_sm).
+template <int NMAX, Mode MODE, int MIN_BLOCKS>
+__global__ void __launch_bounds__(kBlocksMaxThreads, MIN_BLOCKS)
     attn_res_blocks_kernel(const __grid_constant__ PerTokenParams p) {
+  constexpr int S = kBlocksVectors;
   constexpr bool kNorm = mode_has_norm(MODE);
   constexpr bool kAdd = mode_has_add(MODE);
   constexpr bool kAdd2 = mode_has_add2(MODE);
-  constexpr int kGroups = kBlocksGroups<C, S>;
-  constexpr int kWarpSlots = kGroups * S * kChunkWarps;  // the 32-vector warps, whole groups
   constexpr int kValues = 2 * NMAX;                      // (sumsq, dot) per candidate
   constexpr int kEarlyRows = NMAX - 2;                   // rows that may be loaded before the wait
   static_assert(S * kValues <= 32, "one reduce-scatter per warp");
   static_assert(NMAX <= kSingleCtaMaxCandidates, "single_cta's buckets");
 
-  __shared__ float warp_part[kWarpSlots][kValues];
+  __shared__ float warp_part[kBlocksMaxWarpSlots][kValues];
   __shared__ float totals[kValues];
-  __shared__ float warp_sq[kWarpSlots];
+  __shared__ float warp_sq[kBlocksMaxWarpSlots];
   __shared__ float block_sq;
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int group = tid / kChunkThreads, chunk_lane = tid % kChunkThreads, group_warp = chunk_lane >> 5;
+  const int warp_slots = static_cast<int>(blockDim.x) / 32 * S;  // whole groups: chunks past C hold +0
   const int K = p.snapshots, N = K + 1;
   const int token = blockIdx.x;
   const bool scores = N > 1 || (!kNorm && p.rsigma != nullptr);
@@ -133,7 +136,7 @@ __global__ void __launch_bounds__(kBlocksThreads<C, S>, MIN_BLOCKS)
         warp_part[(group * S + index / kValues) * kChunkWarps + group_warp][index % kValues] = sum;
     }
     __syncthreads();
-    if (tid < 2 * N) totals[tid] = chunked_sum<kWarpSlots, true>(&warp_part[0][tid], kValues, kWarpSlots);
+    if (tid < 2 * N) totals[tid] = chunked_sum<kBlocksMaxWarpSlots>(&warp_part[0][tid], kValues, warp_slots);
     __syncthreads();
 
     float rsigma[NMAX], logit[NMAX];
@@ -190,7 +193,7 @@ __global__ void __launch_bounds__(kBlocksThreads<C, S>, MIN_BLOCKS)
       if (lane % (32 / kSqWidth) == 0 && index < S) warp_sq[(group * S + index) * kChunkWarps + group_warp] = sum;
     }
     __syncthreads();
-    if (tid == 0) block_sq = chunked_sum<kWarpSlots, true>(warp_sq, 1, kWarpSlots);
+    if (tid == 0) block_sq = chunked_sum<kBlocksMaxWarpSlots>(warp_sq, 1, warp_slots);
     __syncthreads();
     const float r = norm_scale(block_sq, p.inv_hidden, p.norm_eps);
 #pragma unroll

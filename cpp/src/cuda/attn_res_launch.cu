@@ -88,7 +88,7 @@ PerTokenParams make_per_token_params(const AttnResArgs& a, const Plan& plan) {
 
 
 void cuda_attn_res(AttnResOp op, const AttnResArgs& a, const Plan& plan) {
-  if (try_attn_res_blocks(op, a, plan)) return;
+  if (plan.route == Route::token_blocks) return launch_attn_res_blocks(op, a, plan);
   if (plan.kernel == KernelKind::single_cta && plan.smem_bytes > 0) return launch_attn_res_stream(op, a, plan);
   // split_k with a one-block cluster (H <= 1024) runs the instance without the cluster exchange.
   const bool cluster = plan.kernel == KernelKind::split_k && plan.cluster > 1;

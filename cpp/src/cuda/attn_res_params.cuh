@@ -81,7 +81,7 @@ PerTokenKernel mix_add_instance(Mode mode, bool cluster, int max_candidates);
 // Launches the streaming single_cta (plan.smem_bytes > 0) for a validated call (cuda/attn_res_stream_launch.cu).
 void launch_attn_res_stream(AttnResOp op, const AttnResArgs& args, const Plan& plan);
 
-// Experiment: the token-block single_cta under ATTNRES_X_BLOCKS (cuda/attn_res_blocks_launch.cu); false: not taken.
-bool try_attn_res_blocks(AttnResOp op, const AttnResArgs& args, const Plan& plan);
+// Launches the token-block single_cta (plan.route token_blocks) for a validated call (cuda/attn_res_blocks_launch.cu).
+void launch_attn_res_blocks(AttnResOp op, const AttnResArgs& args, const Plan& plan);
 
 }  // namespace attnres::detail

@@ -24,7 +24,8 @@
 //     split_k's; the persistent kernel reproduces the same order (attn_res_persistent.cuh).
 //   * split_k exchanges partial sums by pushing them into every peer's shared memory (st.async completing
 //     on the peer's mbarrier): each block waits on its own mbarrier, never on a cluster-wide barrier.
-//   * With more tokens than SMs single_cta streams instead (attn_res_stream.cuh: the same steps and order).
+//   * With more tokens than SMs single_cta streams instead (attn_res_stream.cuh), or runs one block per token with
+//     several per SM (attn_res_blocks.cuh): the same steps and order.
 //   * PDL release: dependents are released (griddepcontrol.launch_dependents) right after the block's
 //     griddepcontrol.wait, not after its last store. Why that is safe (docs/ops/pdl.md has the long form):
 //     launch_dependents gives a dependent no memory visibility, whatever its position: a dependent's

@@ -1,0 +1,85 @@
+"""The plan of the token-block single_cta (no GPU needed: the described H100 and H200). One block per token,
+several per SM (cpp/src/cuda/attn_res_blocks.cuh): the automatic choice on the H100 from T = 4096 where it
+measured faster (plan_tuning.hpp automatic_token_blocks_min_tokens), never on the H200 (not measured), never with
+FP8 output (the streaming kernel's epilogue); the benchmark-only knob moves the bound for single_cta."""
+
+from __future__ import annotations
+
+import pytest
+
+import attnres
+from attnres import _C, _stream_tuning as stream
+
+H = 7168
+FROM = 4096
+
+# (op, addends, N) where the H100 takes the token-block kernel from T = 4096 (the measured table).
+TAKEN = {("attn_res_add_rmsnorm", 1): (1, 2, 3), ("attn_res_add_rmsnorm", 2): (1, 2),
+         ("attn_res", 0): (1, 2), ("attn_res_rmsnorm", 0): (2, 3, 4), ("attn_res", 1): (1, 2),
+         ("attn_res", 2): (1, 2)}
+
+
+def _plan(op, T, N, addends, device="h100", hidden=H, fp8=None, options=None):
+    return attnres.plan(op, tokens=T, candidates=N, hidden=hidden, device=device, add=addends >= 1,
+                        add2=addends == 2, fp8=fp8, options=options or attnres.Options())
+
+
+@pytest.mark.parametrize("op,addends", sorted(TAKEN))
+@pytest.mark.parametrize("N", [1, 2, 3, 4, 5])
+def test_the_h100_takes_it_from_4096_where_measured(op, addends, N):
+    taken = N in TAKEN[(op, addends)]
+    for T in (FROM - 1, FROM, 16384):
+        p = _plan(op, T, N, addends)
+        ctx = (op, addends, N, T, p)
+        assert (p.route == "token_blocks") == (taken and T >= FROM), ctx
+        if p.route == "token_blocks":
+            # ceil(7 chunks / 4) groups of 128 threads, 4 vectors each; no shared memory; 3 blocks per SM at N <= 2.
+            assert p.kernel == "single_cta" and p.threads == 256 and p.vectors == 4 and p.smem_bytes == 0, ctx
+            assert p.blocks_per_sm == (3 if N <= 2 else 2) and p.cluster == 1, ctx
+            assert p.max_candidates == (2 if N <= 2 else 4), ctx
+
+
+@pytest.mark.parametrize("op,addends", sorted(TAKEN))
+def test_never_on_the_h200_nor_with_fp8_nor_at_small_h(op, addends):
+    for N in (1, 2, 3, 4):
+        assert _plan(op, 16384, N, addends, device="h200").route != "token_blocks", (op, N)
+        assert _plan(op, 16384, N, addends, hidden=4096).route != "token_blocks", (op, N)
+        if op != "attn_res":
+            for fp8 in ("per_token", "block128"):
+                p = _plan(op, 16384, N, addends, fp8=fp8, options=attnres.Options(kernel="single_cta"))
+                assert p.route == "stream", (op, N, fp8, p)
+
+
+def test_forced_split_k_and_persistent_stay():
+    for kernel in ("split_k",):
+        p = _plan("attn_res_add_rmsnorm", 16384, 2, 1, options=attnres.Options(kernel=kernel))
+        assert p.kernel == kernel and p.route == "per_token", p
+    p = _plan("attn_res_add_rmsnorm", 16384, 2, 1, options=attnres.Options(topology="persistent"))
+    assert p.route == "persistent", p
+
+
+@pytest.mark.parametrize("hidden,threads", [(64, 128), (1024, 128), (4096, 128), (4104, 256), (7168, 256),
+                                            (8192, 256)])
+def test_the_knob_moves_the_bound_and_the_block_follows_h(hidden, threads):
+    """split_k_cluster(H) chunks, four per group of 128 threads; any device, any T from the knob's on."""
+    for device in ("h100", "h200"):
+        for N in (1, 4):
+            p = stream.plan(stream.NEVER, tokens=1, candidates=N, hidden=hidden, device=device,
+                            blocks_min_tokens=stream.ALWAYS)
+            assert p.route == "token_blocks" and p.threads == threads and p.vectors == 4, (device, N, p)
+            assert stream.plan(stream.NEVER, tokens=499, candidates=N, hidden=hidden, device=device,
+                               blocks_min_tokens=500).route == "per_token"
+            assert stream.plan(stream.NEVER, tokens=500, candidates=N, hidden=hidden, device=device,
+                               blocks_min_tokens=500).route == "token_blocks"
+    # single_cta's N limit holds: N = 5 is declined forced, split_k automatic.
+    assert not stream.plan(stream.NEVER, tokens=1, candidates=5, hidden=hidden, device="h100",
+                           blocks_min_tokens=stream.ALWAYS).accepted
+
+
+def test_the_knob_is_validated():
+    with pytest.raises(attnres.ArgumentError, match=r"^attn_res_add_rmsnorm: options\.token_blocks_min_tokens must be "
+                                                    r">= 0 \(0: the plan's table\), got -1"):
+        stream.plan(0, tokens=1, candidates=2, hidden=H, device="h100", blocks_min_tokens=-1)
+    with pytest.raises(attnres.ArgumentError, match="token_blocks_min_tokens must be an int"):
+        stream.StreamOptions(0, blocks_min_tokens=1.5)
+    assert "token_blocks" in _C.Route.__members__
