@@ -291,12 +291,12 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
   knob("persistent_blocks_per_sm", o.persistent_blocks_per_sm, persistent::kMaxBlocksPerSm);
   knob("persistent_slots", o.persistent_slots, persistent::kMaxSlots);
   knob("persistent_passes", o.persistent_passes, 2);
-  if (o.stream_min_tokens < 0)
-    throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_min_tokens must be >= 0 (0: the plan's "
-                        "bound), got " + std::to_string(o.stream_min_tokens));
-  if (o.token_blocks_min_tokens < 0)
-    throw ArgumentError(std::string(op_name(q.op)) + ": options.token_blocks_min_tokens must be >= 0 (0: the "
-                        "plan's table), got " + std::to_string(o.token_blocks_min_tokens));
+  // single_cta's T bounds: streaming, token blocks.
+  for (const auto& [name, value] : {std::pair{"stream_min_tokens", o.stream_min_tokens},
+                                    std::pair{"token_blocks_min_tokens", o.token_blocks_min_tokens}})
+    if (value < 0)
+      throw ArgumentError(std::string(op_name(q.op)) + ": options." + name + " must be >= 0 (0: the plan's bound), got " +
+                          std::to_string(value));
   if (o.stream_buffers != 0 && (o.stream_buffers < 2 || o.stream_buffers > tuning::kStreamMaxBuffers))
     throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_buffers must be 0 (the plan's choice) or in [2, " +
                         std::to_string(tuning::kStreamMaxBuffers) + "], got " + std::to_string(o.stream_buffers));

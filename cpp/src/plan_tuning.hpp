@@ -130,8 +130,8 @@ constexpr int32_t token_blocks_per_sm(int32_t bucket) { return bucket <= 2 ? 3 :
 // The automatic choice takes it where it measured faster than the kernel taken before (the streaming single_cta at
 // N <= 2, split_k at N = 3 with one addend, the streaming kernel without an addend at N = 3, 4) on the H100 at
 // H = 7168, T = 4096 and 16384 (h100_6af7c58_token_blocks_ab.txt, cold L2, interleaved, same run): one addend
-// N = 1..3, two addends N = 1, 2, attn_res N = 1, 2 (with addends, not measured apart, the same N), attn_res_rmsnorm
-// N = 2..4 (not N = 1, where the streaming kernel's four token buffers stay 4 % ahead). At T = 1024 it ran 7-30 %
+// N = 1..3, two addends N = 1, 2, attn_res without them N = 1, 2 (with them it takes attn_res_add_rmsnorm's kernel, as
+// everywhere), attn_res_rmsnorm N = 2..4 (not N = 1, where the streaming kernel's four token buffers stay 4 % ahead). At T = 1024 it ran 7-30 %
 // slower than the streaming kernel (~2.6 blocks per resident slot: the last partial round weighs more), so from
 // T = 4096 on; T in between is not measured. The H200 is not measured: it keeps the streaming kernel. Where the
 // one-block layout has more than 512 threads (H > 4096), as at the measured H.
@@ -141,10 +141,10 @@ constexpr int64_t kNeverTokenBlocks = kMaxTokensPerLaunch + 1;
 constexpr int64_t automatic_token_blocks_min_tokens(int64_t candidates, int64_t hidden, int32_t addends, bool norm,
                                                     TopologyGrid grid = TopologyGrid::h200) {
   if (grid != TopologyGrid::h100 || hidden / 8 < kAutomaticStreamMinThreads) return kNeverTokenBlocks;
-  const bool faster = !norm          ? candidates <= 2
-                      : addends == 1 ? candidates <= 3
+  const bool faster = addends == 1   ? candidates <= 3
                       : addends == 2 ? candidates <= 2
-                                     : candidates >= 2 && candidates <= 4;
+                      : norm         ? candidates >= 2 && candidates <= 4
+                                     : candidates <= 2;
   return faster && candidates >= 1 ? kTokenBlocksMinTokensH100 : kNeverTokenBlocks;
 }
 

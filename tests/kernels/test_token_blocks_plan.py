@@ -15,7 +15,7 @@ FROM = 4096
 
 # (op, addends, N) where the H100 takes the token-block kernel from T = 4096 (the measured table).
 TAKEN = {("attn_res_add_rmsnorm", 1): (1, 2, 3), ("attn_res_add_rmsnorm", 2): (1, 2),
-         ("attn_res", 0): (1, 2), ("attn_res_rmsnorm", 0): (2, 3, 4), ("attn_res", 1): (1, 2),
+         ("attn_res", 0): (1, 2), ("attn_res_rmsnorm", 0): (2, 3, 4), ("attn_res", 1): (1, 2, 3),
          ("attn_res", 2): (1, 2)}
 
 
@@ -78,7 +78,7 @@ def test_the_knob_moves_the_bound_and_the_block_follows_h(hidden, threads):
 
 def test_the_knob_is_validated():
     with pytest.raises(attnres.ArgumentError, match=r"^attn_res_add_rmsnorm: options\.token_blocks_min_tokens must be "
-                                                    r">= 0 \(0: the plan's table\), got -1"):
+                                                    r">= 0 \(0: the plan's bound\), got -1"):
         stream.plan(0, tokens=1, candidates=2, hidden=H, device="h100", blocks_min_tokens=-1)
     with pytest.raises(attnres.ArgumentError, match="token_blocks_min_tokens must be an int"):
         stream.StreamOptions(0, blocks_min_tokens=1.5)

@@ -104,7 +104,7 @@ struct Options {
   // 2..4 where the call's N bucket is built with it (ArgumentError otherwise).
   int32_t stream_buffers = 0;
   // Benchmark-only (`_token_blocks_min_tokens` of the binding): single_cta runs the token-block kernel (one block
-  // per token, several per SM; the same bits) from this T on, where the output is bf16. 0: the plan's table
+  // per token, several per SM; the same bits) from this T on, where the output is bf16. 0: the plan's bound
   // (plan_tuning.hpp automatic_token_blocks_min_tokens).
   int64_t token_blocks_min_tokens = 0;
 };
