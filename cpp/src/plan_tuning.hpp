@@ -129,22 +129,23 @@ constexpr int32_t kTokenBlocksVectors = 4;
 constexpr int32_t token_blocks_per_sm(int32_t bucket) { return bucket <= 2 ? 3 : 2; }
 // The automatic choice takes it where it measured faster than the kernel taken before (the streaming single_cta at
 // N <= 2, split_k at N = 3 with one addend, the streaming kernel without an addend at N = 3, 4) on the H100 at
-// H = 7168, T = 4096 and 16384 (h100_6af7c58_token_blocks_ab.txt, cold L2, interleaved, same run): one addend
-// N = 1..3, two addends N = 1, 2, attn_res without them N = 1, 2 (with them it takes attn_res_add_rmsnorm's kernel, as
-// everywhere), attn_res_rmsnorm N = 2..4 (not N = 1, where the streaming kernel's four token buffers stay 4 % ahead). At T = 1024 it ran 7-30 %
-// slower than the streaming kernel (~2.6 blocks per resident slot: the last partial round weighs more), so from
-// T = 4096 on; T in between is not measured. The H200 is not measured: it keeps the streaming kernel. Where the
-// one-block layout has more than 512 threads (H > 4096), as at the measured H.
+// H = 7168, T = 4096 and 16384 (h100_6af7c58_token_blocks_ab.txt, cold L2, interleaved, same run; again at T = 4096
+// in h100_68c355c_token_blocks.txt): attn_res_add_rmsnorm N = 1..3 (two addends N = 1, 2), attn_res N = 1, 2 with or
+// without addends (with one, N = 3 ran 2-7 % behind split_k), attn_res_rmsnorm N = 2..4 (1-3 % ahead at T = 4096,
+// 6 % at N = 2, T = 16384; not N = 1, where the streaming kernel's four token buffers stay 4 % ahead). At T = 2048 it
+// ran level or up to 7 % slower but for one addend at N = 1, and at T = 1024 7-30 % slower (2.6 blocks per resident
+// slot: the last partial round weighs more), so from T = 4096 on. The H200 is not measured: it keeps the streaming
+// kernel. Where the one-block layout has more than 512 threads (H > 4096), as at the measured H.
 constexpr int64_t kTokenBlocksMinTokensH100 = 4096;
 constexpr int64_t kNeverTokenBlocks = kMaxTokensPerLaunch + 1;
 // addends: 0, 1 or 2; norm: the op ends in the RMSNorm (attn_res_rmsnorm, attn_res_add_rmsnorm).
 constexpr int64_t automatic_token_blocks_min_tokens(int64_t candidates, int64_t hidden, int32_t addends, bool norm,
                                                     TopologyGrid grid = TopologyGrid::h200) {
   if (grid != TopologyGrid::h100 || hidden / 8 < kAutomaticStreamMinThreads) return kNeverTokenBlocks;
-  const bool faster = addends == 1   ? candidates <= 3
+  const bool faster = !norm          ? candidates <= 2
+                      : addends == 1 ? candidates <= 3
                       : addends == 2 ? candidates <= 2
-                      : norm         ? candidates >= 2 && candidates <= 4
-                                     : candidates <= 2;
+                                     : candidates >= 2 && candidates <= 4;
   return faster && candidates >= 1 ? kTokenBlocksMinTokensH100 : kNeverTokenBlocks;
 }
 

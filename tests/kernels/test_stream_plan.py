@@ -182,7 +182,7 @@ def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op, gpu):
     the streaming single_cta first for N <= 2 at H > 4096 (N <= 4 without the addend on the H100; the token-block
     single_cta at N = 3 with the addend on the H100 from T = 4096). A
     snapshot write changes nothing, and
-    attn_res without the fp32 diagnostics (the same addend) takes the same kernel."""
+    attn_res without the fp32 diagnostics (the same addend) takes the same kernel but there."""
     add = op == "attn_res_add_rmsnorm"
 
     def kernel(T, N, **flags):
@@ -209,4 +209,7 @@ def test_automatic_takes_the_persistent_kernel_by_n_and_t(H, op, gpu):
                     want2 = "single_cta"
                 assert kernel(T, N, add2=True) == want2, (H, N, T)
             mix = attnres.plan("attn_res", tokens=T, candidates=N, hidden=H, device=gpu, add=add)
-            assert mix.kernel == want, (H, N, T, mix)
+            # Except the token blocks at N = 3 with the addend, which attn_res does not take (split_k measured ahead
+            # for it there, h100_68c355c_token_blocks.txt).
+            blocks_only_normed = gpu == "h100" and add and N == 3 and big and T >= 4096
+            assert mix.kernel == ("split_k" if blocks_only_normed else want), (H, N, T, mix)
