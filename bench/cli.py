@@ -39,8 +39,8 @@ SUITES = {
                "--quick: T = 4096 x 6 N; --tokens and --candidates choose the points; --forced: every kernel too, and per N "
                "the T from which the persistent kernel wins by >= 3 %)",
     "stream": "the streaming single_cta's token buffers (2, 3, 4) and the token-block kernel against the default "
-              "and split_k, with and without the addend, T = 256, 1024, 4096, 16384 x N = 1..4, H = 7168, cold L2, each checked bitwise "
-              "(not part of 'all'; --tokens and --candidates choose the points, N <= 4)",
+              "and split_k, with and without the addend, T = 256, 1024, 4096, 16384 x N = 1..4, H = 7168, cold L2, "
+              "each checked bitwise (not part of 'all'; --tokens and --candidates choose the points, N <= 4)",
     "tp": "the decode step under tensor parallelism (2 ranks: under torchrun, or spawned), all-reduce time "
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "

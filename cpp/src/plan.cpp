@@ -295,8 +295,8 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
   for (const auto& [name, value] : {std::pair{"stream_min_tokens", o.stream_min_tokens},
                                     std::pair{"token_blocks_min_tokens", o.token_blocks_min_tokens}})
     if (value < 0)
-      throw ArgumentError(std::string(op_name(q.op)) + ": options." + name + " must be >= 0 (0: the plan's bound), got " +
-                          std::to_string(value));
+      throw ArgumentError(std::string(op_name(q.op)) + ": options." + name +
+                          " must be >= 0 (0: the plan's bound), got " + std::to_string(value));
   if (o.stream_buffers != 0 && (o.stream_buffers < 2 || o.stream_buffers > tuning::kStreamMaxBuffers))
     throw ArgumentError(std::string(op_name(q.op)) + ": options.stream_buffers must be 0 (the plan's choice) or in [2, " +
                         std::to_string(tuning::kStreamMaxBuffers) + "], got " + std::to_string(o.stream_buffers));

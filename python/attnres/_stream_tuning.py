@@ -52,8 +52,8 @@ def plan(min_tokens: int, op: str = "attn_res_add_rmsnorm", *, tokens: int, cand
     q = _C.PlanQuery()
     q.op = getattr(_C.AttnResOp, op)
     q.tokens, q.candidates, q.hidden, q.add, q.add2 = int(tokens), int(candidates), int(hidden), bool(add), bool(add2)
-    return plan_info(_C.plan_query(q, device_info(device), StreamOptions(min_tokens, kernel, buffers=buffers,
-                                                                               blocks_min_tokens=blocks_min_tokens).to_c()))
+    opts = StreamOptions(min_tokens, kernel, buffers=buffers, blocks_min_tokens=blocks_min_tokens)
+    return plan_info(_C.plan_query(q, device_info(device), opts.to_c()))
 
 
 def attn_res_add_rmsnorm(min_tokens: int, layer_residual: Tensor, layer_residual_add: Tensor, block_residual: Tensor,

@@ -38,8 +38,9 @@ class PlanInfo:
     passes: int = 0
     smem_bytes: int = 0
     # The kernel family: "per_token" (split_k, or single_cta one token per block), "stream" (the streaming
-    # single_cta), "token_blocks" (the token-block single_cta), "persistent", "cpu"; "none" when declined. decline_code: why, as a name of _C.DeclineCode
-    # ("none" when accepted); callers branch on these, never on the sentence.
+    # single_cta), "token_blocks" (the token-block single_cta), "persistent", "cpu"; "none" when declined.
+    # decline_code: why, as a name of _C.DeclineCode ("none" when accepted); callers branch on these, never on the
+    # sentence.
     route: str = "none"
     decline_code: str = "none"
 

@@ -19,21 +19,14 @@ from attnres import _C, _stream_tuning as stream, reference
 from attnres.graphs import capture
 from conftest import requires_cuda
 from helpers import assert_same_bits, assert_storage_unchanged
-from test_persistent import check_rows, gpu_inputs, sample_tokens
+from test_persistent import check_rows, sample_tokens
+from test_stream import _inputs
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
 BF16 = torch.bfloat16
 BLOCKS = stream.StreamOptions(stream.NEVER, "single_cta", blocks_min_tokens=stream.ALWAYS)
 SPLIT_K = attnres.Options(kernel="split_k")
-
-
-def _inputs(T: int, N: int, H: int, seed: int, layout: str = "snapshot_major"):
-    inp = gpu_inputs(T, N, H, layout=layout, add=True, seed=seed)
-    g = torch.Generator(device="cuda").manual_seed(seed + 7)
-    inp.add2 = (torch.randn(T, H, generator=g, device="cuda") * 0.5).to(BF16)
-    inp.buffers["add2"] = inp.add2
-    return inp
 
 
 def _calls(inp):
