@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--forced", action="store_true",
                    help="prefill: also time every kernel the call can run on, forced, interleaved with the default")
     r.add_argument("--ops", default=None,
-                   help="prefill: comma-separated ops among mix, norm, add, add2 (default: all four)")
+                   help="prefill: comma-separated ops among mix, norm, add, add2 (default: all four); stream: among "
+                        "norm, mix (default: norm)")
     o = p.add_argument_group("topology")
     o.add_argument("--no-add", action="store_true",
                    help="topology: the op without an addend (attn_res_rmsnorm) at N = 1..16 instead of the one-addend "
@@ -188,6 +189,8 @@ def _stream_step(args) -> common.Step:
         points["tokens"] = common.chain_tokens(args)
     if args.candidates_values:
         points["candidates"] = args.candidates_values
+    if args.ops:
+        points["ops"] = tuple(args.ops.split(","))
     return lambda progress, extra: stream_buffers.run(pdl=not args.no_pdl, copy_tbs=_copy_floor(extra),
                                                       progress=progress, repeats=args.repeats, **points)
 
@@ -226,10 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     args.candidates_values = _candidates(args, p) if args.candidates is not None else None
     if args.forced and args.suite != "prefill":
         p.error("--forced applies to the prefill suite only")
-    if args.ops is not None and args.suite != "prefill":
-        p.error("--ops applies to the prefill suite only")
-    if args.ops is not None and (not args.ops or any(op not in prefill.OPS for op in args.ops.split(","))):
-        p.error(f"prefill: --ops must be a comma-separated subset of {','.join(prefill.OPS)}, got {args.ops!r}")
+    if args.ops is not None and args.suite not in ("prefill", "stream"):
+        p.error("--ops applies to the prefill and stream suites only")
+    ops = prefill.OPS if args.suite == "prefill" else stream_buffers.OPS
+    if args.ops is not None and (not args.ops or any(op not in ops for op in args.ops.split(","))):
+        p.error(f"{args.suite}: --ops must be a comma-separated subset of {','.join(ops)}, got {args.ops!r}")
     if args.suite == "prefill" and args.candidates_values and \
             max(args.candidates_values) > (most := attnres._C.limits["max_candidates"]):
         p.error(f"prefill: --candidates must be <= {most}, got {args.candidates!r}")
@@ -271,7 +275,7 @@ def stream_agrees(records: list[dict]) -> bool:
     """The stream suite's correctness check (every buffer count = split_k's bits), on stderr."""
     bad = stream_buffers.differing(records)
     if bad:
-        print(f"stream buffers: output bits DIFFER from split_k's at (T, N, add, variant) = {bad}", file=sys.stderr)
+        print(f"stream buffers: output bits DIFFER from split_k's at (T, N, add, op, variant) = {bad}", file=sys.stderr)
     return not bad
 
 

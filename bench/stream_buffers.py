@@ -2,8 +2,9 @@
 buffers (attnres._stream_tuning's buffers knob: the token being reduced and 1..3 tokens whose rows are in flight; a
 count the N bucket is not built with is recorded as declined) and the token-block kernel (one block per token,
 several per SM: the knob's `token_blocks` at every T), interleaved with the default options and split_k, at T in
-{256, 1024, 4096, 16384} x N in {1, 2, 3, 4}, with and without the addend (attn_res_add_rmsnorm /
-attn_res_rmsnorm), H = 7168, cold L2 (rotating sets past twice the L2), against the copy floor of the same run.
+{256, 1024, 4096, 16384} x N in {1, 2, 3, 4}, with and without the addend (op "norm": attn_res_add_rmsnorm /
+attn_res_rmsnorm; op "mix": attn_res without the fp32 diagnostics, the engines' call), H = 7168, cold L2 (rotating sets
+past twice the L2), against the copy floor of the same run.
 
 The question it answers (plan_tuning.hpp stream_buffers): where a token's DRAM reads are one row (N = 1 without
 the addend) one token in flight per SM is ~14 KB at H = 7168, below what an SM needs in flight to draw its share
@@ -28,10 +29,17 @@ TOKENS = (256, 1024, 4096, 16384)
 CANDIDATES = (1, 2, 3, 4)
 BUFFERS = (2, 3, 4)
 MIN_CALLS = 4
+OPS = ("norm", "mix")
 
 
-def points(tokens=TOKENS, candidates=CANDIDATES) -> list[tuple[int, int, bool]]:
-    return [(T, N, add) for add in (False, True) for N in candidates for T in tokens]
+def points(tokens=TOKENS, candidates=CANDIDATES, ops=("norm",)) -> list[tuple[int, int, bool, str]]:
+    return [(T, N, add, op) for op in ops for add in (False, True) for N in candidates for T in tokens]
+
+
+def op_name(add: bool, op: str) -> str:
+    """The function a point times: attn_res (op "mix"), else attn_res_add_rmsnorm with the addend, attn_res_rmsnorm
+    without."""
+    return "attn_res" if op == "mix" else "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
 
 
 def _options(name: str, pdl: bool):
@@ -44,7 +52,9 @@ def _options(name: str, pdl: bool):
     return stream.StreamOptions(0, "single_cta", pdl, buffers=int(name.split(":")[1]))
 
 
-def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, repeats: int) -> list[dict]:
+def run_point(T: int, N: int, H: int, add: bool, op: str = "norm", *, pdl: bool, copy_tbs: float,
+              repeats: int) -> list[dict]:
+    # attn_res moves the bytes of the normed op: its mixture takes the output's place (the norm weight aside).
     nbytes = op_bytes(T, N, H, add)
     sets = make_sets(T, N, H, rotating_sets(nbytes, minimum=1), seed=T * 100 + N + 7 * add)
     calls = [sets[i % len(sets)] for i in range(max(MIN_CALLS, len(sets)))]
@@ -53,13 +63,16 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
     for n in names:
         o = _options(n, pdl)
         try:  # a count the N bucket is not built with: recorded as declined
-            attnres.plan("attn_res_add_rmsnorm" if add else "attn_res_rmsnorm", tokens=T, candidates=N, hidden=H,
-                         device="cuda", add=add, options=o)
+            attnres.plan(op_name(add, op), tokens=T, candidates=N, hidden=H, device="cuda", add=add, options=o)
             opts[n] = o
         except attnres.ArgumentError as e:
             declined[n] = str(e)
 
     def fn(s, o):
+        if op == "mix":
+            r = attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS,
+                                 layer_residual_add=s.routed if add else None, diagnostics=False, options=o)
+            return r if isinstance(r, tuple) else (r,)
         w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
         if add:
             return attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=o)
@@ -78,32 +91,31 @@ def run_point(T: int, N: int, H: int, add: bool, *, pdl: bool, copy_tbs: float, 
     for n, t in timings.items():
         gbps = nbytes / (t.median_us * 1e-6) / 1e9
         p = plans[n]
-        records.append({"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "pdl": pdl,
-                        "sets": len(sets), "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
+        records.append({"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "op": op,
+                        "pdl": pdl, "sets": len(sets), "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
                         "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0), "bitwise_equal": bits[n],
                         "plan": {"kernel": p.kernel, "route": p.route, "slots": p.slots, "smem_bytes": p.smem_bytes,
                                  "threads": p.threads} if p else None, **t.as_dict()})
-    records += [{"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "pdl": pdl,
+    records += [{"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "op": op, "pdl": pdl,
                  "declined": why} for n, why in declined.items()]
     return records
 
 
 def run(H: int = H_DEFAULT, pdl: bool = True, copy_tbs: float | None = None, progress=None, repeats: int = 25,
-        tokens=TOKENS, candidates=CANDIDATES) -> list[dict]:
+        tokens=TOKENS, candidates=CANDIDATES, ops=("norm",)) -> list[dict]:
     copy_tbs = copy_rate(copy_tbs)
-    return measure(points(tokens, candidates),
-                   lambda T, N, add: run_point(T, N, H, add, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats),
-                   lambda T, N, add: f"stream buffers T={T} N={N}{'' if add else ' (no addend)'}", progress,
-                   empty_cache=True)
+    return measure(points(tokens, candidates, ops),
+                   lambda T, N, add, op: run_point(T, N, H, add, op, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats),
+                   lambda T, N, add, op: f"stream buffers {op_name(add, op)} T={T} N={N}", progress, empty_cache=True)
 
 
 def _records(records):
     return [r for r in records if r.get("suite") == "stream_buffers"]
 
 
-def differing(records: list[dict]) -> list[tuple[int, int, bool, str]]:
-    """(T, N, add, provider) of every variant whose bits differ from split_k's."""
-    return sorted((r["T"], r["N"], r["add"], r["provider"]) for r in _records(records)
+def differing(records: list[dict]) -> list[tuple[int, int, bool, str, str]]:
+    """(T, N, add, op, provider) of every variant whose bits differ from split_k's."""
+    return sorted((r["T"], r["N"], r["add"], r.get("op", "norm"), r["provider"]) for r in _records(records)
                   if "declined" not in r and not r["bitwise_equal"])
 
 
@@ -111,12 +123,12 @@ def summary(records: list[dict]) -> list[str]:
     """Per point: each variant's µs, share of the copy floor and speed-up over two buffers."""
     rec = _records(records)
     lines = []
-    for key in sorted({(r["add"], r["N"], r["T"]) for r in rec}):
-        add, N, T = key
-        here = [r for r in rec if (r["add"], r["N"], r["T"]) == key]
+    for key in sorted({(r.get("op", "norm"), r["add"], r["N"], r["T"]) for r in rec}):
+        op, add, N, T = key
+        here = [r for r in rec if (r.get("op", "norm"), r["add"], r["N"], r["T"]) == key]
         base = next((r for r in here if r["provider"] == "buffers:2"), None)
         copy = next((r["copy_tbs"] for r in here if "copy_tbs" in r), None)
-        lines.append(f"stream buffers T={T} N={N} {'add' if add else 'no add'}"
+        lines.append(f"stream buffers {'attn_res ' if op == 'mix' else ''}T={T} N={N} {'add' if add else 'no add'}"
                      + (f" (copy floor {copy:.2f} TB/s)" if copy else ""))
         for r in here:
             if "declined" in r:

@@ -84,7 +84,7 @@ def test_cli(capsys):
     for argv, message in ((["prefill", "--candidates", "17"], "prefill: --candidates must be <= 16"),
                           (["prefill", "--candidates", "0"], "--candidates must be"),
                           (["topology", "--forced"], "--forced applies to the prefill suite only"),
-                          (["topology", "--ops", "add2"], "--ops applies to the prefill suite only"),
+                          (["topology", "--ops", "add2"], "--ops applies to the prefill and stream suites only"),
                           (["prefill", "--ops", "add,add3"], "--ops must be a comma-separated subset"),
                           (["prefill", "--ops", ""], "--ops must be a comma-separated subset"),
                           (["tune", "--candidates", "2"],

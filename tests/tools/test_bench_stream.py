@@ -17,14 +17,20 @@ def _rec(provider: str, us: float, bits: bool = True, slots: int = 2) -> dict:
 
 
 def test_points_and_readers():
-    assert sb.points() == [(T, N, add) for add in (False, True) for N in (1, 2, 3, 4) for T in (256, 1024, 4096, 16384)]
-    assert sb.points(tokens=(256,), candidates=(1,)) == [(256, 1, False), (256, 1, True)]
+    assert sb.points() == [(T, N, add, "norm") for add in (False, True) for N in (1, 2, 3, 4)
+                           for T in (256, 1024, 4096, 16384)]
+    assert sb.points(tokens=(256,), candidates=(1,)) == [(256, 1, False, "norm"), (256, 1, True, "norm")]
+    assert sb.points(tokens=(256,), candidates=(1,), ops=("mix",)) == [(256, 1, False, "mix"), (256, 1, True, "mix")]
+    assert [sb.op_name(add, op) for add in (False, True) for op in sb.OPS] == [
+        "attn_res_rmsnorm", "attn_res", "attn_res_add_rmsnorm", "attn_res"]
     records = [_rec("buffers:2", 50.0), _rec("buffers:4", 40.0, slots=4), _rec("split_k", 90.0, bits=False),
                {"suite": "stream_buffers", "provider": "buffers:3", "T": 4096, "N": 1, "H": 7168, "add": False,
-                "declined": "not built"}]
-    assert sb.differing(records) == [(4096, 1, False, "split_k")]
+                "declined": "not built"},
+               _rec("token_blocks", 45.0) | {"op": "mix", "bitwise_equal": False}]
+    assert sb.differing(records) == [(4096, 1, False, "mix", "token_blocks"), (4096, 1, False, "norm", "split_k")]
     lines = sb.summary(records)
-    assert lines[0] == "stream buffers T=4096 N=1 no add (copy floor 3.00 TB/s)"
+    assert "stream buffers attn_res T=4096 N=1 no add (copy floor 3.00 TB/s)" in lines
+    assert "stream buffers T=4096 N=1 no add (copy floor 3.00 TB/s)" in lines
     assert any("buffers:4" in line and "1.250x two buffers" in line and "4 buffers" in line for line in lines)
     assert any("split_k" in line and "BITS DIFFER" in line for line in lines)
     assert "  buffers:3  declined: not built" in lines
@@ -33,7 +39,8 @@ def test_points_and_readers():
 def test_cli(capsys):
     for argv, message in ((["stream", "--candidates", "5"], "stream: --candidates must be <= 4"),
                           (["stream", "--candidates", "x"], "--candidates must be"),
-                          (["stream", "--variants"], "--variants applies to the persistent suite only")):
+                          (["stream", "--variants"], "--variants applies to the persistent suite only"),
+                          (["stream", "--ops", "add2"], "stream: --ops must be a comma-separated subset of norm,mix")):
         with pytest.raises(SystemExit) as exc:
             bench_main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv
