@@ -44,8 +44,9 @@ void launch_attn_res_blocks(AttnResOp op, const AttnResArgs& a, const Plan& plan
   const PerTokenParams params = make_per_token_params(a, plan);
   const int chunks = tuning::split_k_cluster(a.layer_residual.shape[1]);
   const int threads = (chunks + kBlocksVectors - 1) / kBlocksVectors * kChunkThreads;
+  static_assert(kMaxClusterRanks <= 2 * kBlocksVectors, "two groups of 128 threads at most (kBlocksMaxThreads)");
   if (kernel == nullptr || plan.cluster != 1 || plan.vectors != kBlocksVectors || plan.threads != threads ||
-      plan.threads > kBlocksMaxThreads || plan.smem_bytes != 0 ||
+      plan.smem_bytes != 0 ||
       plan.blocks_per_sm != tuning::token_blocks_per_sm(plan.max_candidates))
     throw UnsupportedError(std::string(op_name(op)) + ": no token-block single_cta instance for the plan (N bucket " +
                            std::to_string(plan.max_candidates) + ", fp8 = " + fp8_scales_name(a.fp8) + ", " +
