@@ -68,7 +68,6 @@ UNREACHABLE = {
     ("attention", "block_residual", "block_residual is not an argument of this op"): "required by every op",
     ("attention", "res_weight", "res_weight is not an argument of this op"): "required by every op",
     ("attention", "rms_weight", "rms_weight is not an argument of this op"): "required by every op",
-    ("attention", "output", "output is not an argument of this op"): "required by every op",
     ("attention", "layer_residual", "layer_residual must have shape <...> = <...>, got <...>"):
         "layer_residual is checked against [*, *] (T and H are read from it): only its rank can be wrong",
 }

@@ -148,7 +148,12 @@ void validate(AttnResOp op, const AttnResArgs& a, bool require_outputs) {
   c.presence("res_weight", a.res_weight, Use::required);
   c.presence("rms_weight", a.rms_weight, Use::required);
   c.presence("norm_weight", a.norm_weight, use.norm_weight);
-  c.presence("output", a.output, Use::required, require_outputs);
+  // The normed ops' FP8-only call leaves `output` out: only the codes and scales are written.
+  const bool fp8_only_allowed = op != AttnResOp::attn_res && a.fp8 != Fp8Scales::none;
+  if (!a.output.present() && require_outputs && !fp8_only_allowed) {
+    if (op == AttnResOp::attn_res) c.fail("output", "is required");
+    c.fail("output", "is required (only an FP8 call may leave it out: fp8_only)");
+  }
   const bool has_add = a.layer_residual_add.present();
   // Where the addend is optional, `updated` is required exactly with it.
   const bool add_optional = use.add == Use::optional;

@@ -453,7 +453,7 @@ TEST(PlanFromArgs, ValidatesThenPlans) {
   EXPECT_EQ(attnres::plan(AttnResOp::attn_res_add_rmsnorm, no_outputs).kernel, KernelKind::cpu);
   // ...but run() needs them,
   EXPECT_EQ(error_of<attnres::ArgumentError>([&] { attnres::attn_res_add_rmsnorm(no_outputs); }),
-            "attn_res_add_rmsnorm: output is required");
+            "attn_res_add_rmsnorm: output is required (only an FP8 call may leave it out: fp8_only)");
   // and present ones are still checked.
   AttnResArgs bad = no_outputs;
   bad.mixture = a.mixture;

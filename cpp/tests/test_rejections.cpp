@@ -142,6 +142,7 @@ std::vector<Rejection> argument_rejections() {
       drop_arg("RmsWeightRequired", P, "rms_weight", "rms_weight is required"),
       drop_arg("NormWeightRequired", N, "norm_weight", "norm_weight is required"),
       drop_arg("OutputRequired", R, "output", "output is required"),
+      drop_arg("OutputRequiredWithoutFp8", N, "output", "output is required (only an FP8 call may leave it out"),
       drop_arg("UpdatedRequired", A, "updated", "updated is required"),
       drop_arg("UpdatedRequiredWithPersistentAdd", P, "updated", "updated is required"),
       reject("AddRequired", A, [](AttnResArgs& a, Case&) { a.layer_residual_add = a.layer_residual_add2 = TensorRef{}; },
@@ -463,6 +464,40 @@ TEST_P(RejectsFp8, WithItsMessageAndWritesNothing) {
 
 INSTANTIATE_TEST_SUITE_P(Fp8, RejectsFp8, ::testing::ValuesIn(fp8_rejections()),
                          [](const ::testing::TestParamInfo<Fp8Rejection>& info) { return std::string(info.param.name); });
+
+// The FP8-only call (no output tensor) writes the codes, scales and updated prefix of the call that also writes
+// the bf16 output, bit for bit, and nothing else; without an FP8 mode the absent output is refused (above).
+TEST(Fp8Only, WritesTheFullCallsCodesAndScales) {
+  for (const Fp8Scales mode : {Fp8Scales::per_token, Fp8Scales::block128}) {
+    for (const AttnResOp op : {N, A}) {
+      Config cfg = base_config(op);
+      cfg.T = 3;
+      cfg.H = 256;
+      cfg.seed = test_seed(static_cast<uint64_t>(op) + 10 * static_cast<uint64_t>(mode));
+      const int64_t T = cfg.T, H = cfg.H, groups = mode == Fp8Scales::per_token ? 1 : H / 128;
+      const int64_t padded = (T + 3) / 4 * 4;  // block128: column-major, token stride padded to 4
+      auto call = [&](Case& c, bool with_output, std::vector<uint8_t>& codes, std::vector<float>& scales) {
+        AttnResArgs a = c.args();
+        if (!with_output) a.output = TensorRef{};
+        a.fp8 = mode;
+        a.output_fp8 = attnres::make_ref(codes.data(), DType::e4m3, a.layer_residual.device, {T, H});
+        a.fp8_scales = attnres::make_ref(scales.data(), DType::f32, a.layer_residual.device, {T, groups}, {1, padded});
+        attnres::run(op, a);
+      };
+      Case full(cfg), only(cfg);
+      const Case before = only;
+      std::vector<uint8_t> codes_full(static_cast<size_t>(T * H), 0xA5), codes_only = codes_full;
+      std::vector<float> scales_full(static_cast<size_t>(padded * groups), -7.0f), scales_only = scales_full;
+      call(full, true, codes_full, scales_full);
+      call(only, false, codes_only, scales_only);
+      EXPECT_EQ(codes_only, codes_full);
+      EXPECT_EQ(std::memcmp(scales_only.data(), scales_full.data(), scales_full.size() * sizeof(float)), 0);
+      EXPECT_NE(codes_only, std::vector<uint8_t>(codes_only.size(), 0xA5));
+      if (op == A) { EXPECT_TRUE(bits_equal(only.updated.bits(), full.updated.bits(), "updated")); }
+      EXPECT_TRUE(same_storage(only.output, before.output)) << "the FP8-only call wrote the output's storage";
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Valid calls the plan declines (UnsupportedError) and invalid options (ArgumentError): nothing written.

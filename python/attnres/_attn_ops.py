@@ -48,10 +48,12 @@ class Family:
     inputs: tuple[str, ...]  # schema entries; "{bank}" marks the bank argument
     features: tuple[str, ...]
     outputs: tuple[str, ...]
+    later: tuple[str, ...] = ()  # features added after the options (positional calls of the older schema stay valid)
 
     def schema(self, snapshot: bool, out: bool) -> str:
         bank = ("Tensor(z!) bank, int num_snapshots, int snapshot_slot" if snapshot else "Tensor block_residual")
-        args = [a.replace("{bank}", bank) for a in self.inputs] + list(self.features) + [_OPTIONS_SCHEMA]
+        args = [a.replace("{bank}", bank) for a in self.inputs] + list(self.features) + [_OPTIONS_SCHEMA] + \
+            list(self.later)
         if out:
             letters = "abcdefgh"
             args.append("*, " + ", ".join(f"Tensor({letters[i]}!)? {o}=None" for i, o in enumerate(self.outputs)))
@@ -60,6 +62,7 @@ class Family:
 
 
 _FP8_FEATURES = ('str fp8="none"', "bool fp8_pow2_scales=False")
+_FP8_ONLY = ("bool fp8_only=False",)
 FAMILIES = {
     f.name: f
     for f in (
@@ -71,12 +74,12 @@ FAMILIES = {
                ("Tensor layer_residual", "{bank}", "Tensor res_weight", "Tensor rms_weight", "Tensor norm_weight",
                 "float rms_eps", "float norm_eps"),
                ("bool return_mixture=False", *_FP8_FEATURES),
-               ("output", "mixture", "output_fp8", "fp8_scales")),
+               ("output", "mixture", "output_fp8", "fp8_scales"), _FP8_ONLY),
         Family("attn_res_add_rmsnorm", _C.AttnResOp.attn_res_add_rmsnorm,
                ("Tensor layer_residual", "Tensor layer_residual_add", "Tensor? layer_residual_add2", "{bank}",
                 "Tensor res_weight", "Tensor rms_weight", "Tensor norm_weight", "float rms_eps", "float norm_eps"),
                ("bool return_mixture=False", *_FP8_FEATURES),
-               ("updated", "output", "mixture", "output_fp8", "fp8_scales")),
+               ("updated", "output", "mixture", "output_fp8", "fp8_scales"), _FP8_ONLY),
     )
 }
 
@@ -115,7 +118,7 @@ def allocate(family: Family, v: dict, K: int, skip=()) -> dict:
     lr = v["layer_residual"]
     rows = lambda: torch.empty(lr.shape, dtype=torch.bfloat16, device=lr.device)  # noqa: E731
     outs = dict.fromkeys(family.outputs)
-    if "output" not in skip:
+    if "output" not in skip and not v.get("fp8_only"):
         outs["output"] = rows()
     if "updated" in outs and "updated" not in skip and v.get("layer_residual_add") is not None:
         outs["updated"] = rows()
@@ -136,9 +139,22 @@ def allocate(family: Family, v: dict, K: int, skip=()) -> dict:
     return outs
 
 
+def check_fp8_only(op: str, v: dict, outs: dict) -> None:
+    """fp8_only (the FP8-only call: codes and scales, no bf16 output) needs an FP8 mode and takes no output
+    tensor. Without fp8_only the library requires the output, except in `.out` calls that leave it None with
+    an FP8 mode: the same FP8-only call."""
+    if not v.get("fp8_only"):
+        return
+    if v.get("fp8") in (None, "none"):
+        raise ArgumentError(f"{op}: fp8_only requires fp8 = 'per_token' or 'block128'")
+    if outs.get("output") is not None:
+        raise ArgumentError(f"{op}: fp8_only takes no output tensor (it writes no bf16 output)")
+
+
 def call(family: Family, v: dict, outs: dict, snapshot: bool, direct: bool) -> bool:
     """One call of the library on arguments `v` and outputs `outs` (both by schema name). With `direct`, returns
     False without running when the call needs torch's dispatcher (see attnres._C.attn_res_call)."""
+    check_fp8_only(family.name, v, outs)
     tensors = tuple(outs.get(s) if s in outs else v.get(s) for s in SLOTS)
     if snapshot:
         tensors = tensors[:3] + (v["bank"],) + tensors[4:]
@@ -231,6 +247,7 @@ def _fake(family: Family, names: tuple[str, ...], snapshot: bool, out: bool):
         if not out:
             for o in family.outputs:
                 tensors[o] = None
+        check_fp8_only(family.name, v, tensors)
         fake_check(family.name, family.op, v["num_snapshots"] if snapshot else _C.NOT_SNAPSHOT,
                    v["snapshot_slot"] if snapshot else -1, v["rms_eps"], v.get("norm_eps", 1e-5), v.get("fp8"),
                    v.get("fp8_pow2_scales", False), **{k: t for k, t in tensors.items()})
@@ -249,7 +266,8 @@ def _fake_outputs(family: Family, v: dict, K) -> dict:
     """allocate()'s outputs as fake tensors (new_empty on the fake layer_residual)."""
     lr = v["layer_residual"]
     outs = dict.fromkeys(family.outputs)
-    outs["output"] = lr.new_empty(lr.shape, dtype=torch.bfloat16)
+    if not v.get("fp8_only"):
+        outs["output"] = lr.new_empty(lr.shape, dtype=torch.bfloat16)
     if "updated" in outs and v.get("layer_residual_add") is not None:
         outs["updated"] = lr.new_empty(lr.shape, dtype=torch.bfloat16)
     if v.get("return_mixture"):

@@ -108,6 +108,7 @@ def _run(family_name: str, v: dict, snapshot_slot, out, options, produced: tuple
     family = FAMILIES[family_name]
     op = family.name
     opts = _options(op, options)
+    _attn_ops.check_fp8_only(op, v, {})
     given = given_outputs(op, out, produced)
     snapshot = snapshot_slot is not None
     if snapshot:
@@ -209,36 +210,43 @@ def _fp8_outputs(fp8) -> tuple[str, ...]:
     return () if fp8 is None or fp8 == "none" else ("output_fp8", "fp8_scales")
 
 
+def _normed(fp8_only) -> tuple[str, ...]:
+    return () if fp8_only else ("output",)
+
+
 def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps: float,
                      norm_eps: float, *, return_mixture: bool = False, snapshot_slot: int | None = None,
-                     fp8: str | None = None, fp8_pow2_scales: bool = False, out=None,
+                     fp8: str | None = None, fp8_pow2_scales: bool = False, fp8_only: bool = False, out=None,
                      options: Options | None = None):
     """output [T, H] = RMSNorm(mixture) (docs/ops/attn_res_rmsnorm.md); with return_mixture, (output, mixture).
-    With fp8 ("per_token" or "block128") the result gains (output_fp8, fp8_scales): output quantized to e4m3.
+    With fp8 ("per_token" or "block128") the result gains (output_fp8, fp8_scales): output quantized to e4m3;
+    with fp8_only as well, output itself is neither written nor returned.
     With snapshot_slot, layer_residual is also written into bank row snapshot_slot (>= K)."""
     if out is None and snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
-            type(layer_residual) is Tensor and not _is_compiling():
+            not fp8_only and type(layer_residual) is Tensor and not _is_compiling():
         output = _empty_like(layer_residual)
         if _call(_RMSNORM, (layer_residual, None, None, block_residual, res_weight, rms_weight, norm_weight,
                             output, None, None, None, None, None, None, None),
                  rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
             return output
-    produced = ("output",) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
+    produced = _normed(fp8_only) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "block_residual": block_residual, "res_weight": res_weight,
          "rms_weight": rms_weight, "norm_weight": norm_weight, "rms_eps": rms_eps, "norm_eps": norm_eps,
-         "return_mixture": bool(return_mixture), "fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales}
+         "return_mixture": bool(return_mixture), "fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales,
+         "fp8_only": bool(fp8_only)}
     return _run("attn_res_rmsnorm", v, snapshot_slot, out, options, produced)
 
 
 def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res_weight, rms_weight, norm_weight,
                          rms_eps: float, norm_eps: float, *, layer_residual_add2=None, return_mixture: bool = False,
                          snapshot_slot: int | None = None, fp8: str | None = None, fp8_pow2_scales: bool = False,
-                         out=None, options: Options | None = None):
+                         fp8_only: bool = False, out=None, options: Options | None = None):
     """(updated, output[, mixture][, output_fp8, fp8_scales]) (docs/ops/attn_res_add_rmsnorm.md): updated =
     prefix + (add + add2) exactly as PyTorch's `prefix + (add + add2)` on bf16; output = RMSNorm(AttnRes(bank,
-    updated)). With snapshot_slot, updated is also written into bank row snapshot_slot (>= K) of
+    updated)). With fp8 and fp8_only, output is neither written nor returned (the codes and scales are).
+    With snapshot_slot, updated is also written into bank row snapshot_slot (>= K) of
     block_residual's storage. out=(layer_residual, None) updates the prefix in place."""
-    if snapshot_slot is None and options is None and fp8 is None and not return_mixture and \
+    if snapshot_slot is None and options is None and fp8 is None and not return_mixture and not fp8_only and \
             type(layer_residual) is Tensor and not _is_compiling():
         given = (None, None) if out is None else _given_pair(out, True)
         if given is not None:
@@ -254,11 +262,12 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
                 if out is not None:
                     bump_versions((updated, output))
                 return updated, output
-    produced = ("updated", "output") + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
+    produced = ("updated",) + _normed(fp8_only) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "layer_residual_add": layer_residual_add,
          "layer_residual_add2": layer_residual_add2, "block_residual": block_residual, "res_weight": res_weight,
          "rms_weight": rms_weight, "norm_weight": norm_weight, "rms_eps": rms_eps, "norm_eps": norm_eps,
-         "return_mixture": bool(return_mixture), "fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales}
+         "return_mixture": bool(return_mixture), "fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales,
+         "fp8_only": bool(fp8_only)}
     return _run("attn_res_add_rmsnorm", v, snapshot_slot, out, options, produced)
 
 
@@ -267,12 +276,13 @@ _PERSISTENT = Options(topology="persistent")
 
 def attn_res_add_rmsnorm_persistent(layer_residual, block_residual, res_weight, rms_weight, norm_weight,
                                     rms_eps: float, norm_eps: float, *, layer_residual_add=None,
-                                    fp8: str | None = None, fp8_pow2_scales: bool = False,
+                                    fp8: str | None = None, fp8_pow2_scales: bool = False, fp8_only: bool = False,
                                     options: Options | None = None):
     """Alias: attn_res_add_rmsnorm (attn_res_rmsnorm without an addend) with Options(topology="persistent").
-    Returns (updated or None, output[, output_fp8, fp8_scales])."""
+    Returns (updated or None, output[, output_fp8, fp8_scales]); with fp8_only, (updated or None, output_fp8,
+    fp8_scales)."""
     opts = options or _PERSISTENT
-    kw = {"fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales, "options": opts}
+    kw = {"fp8": fp8, "fp8_pow2_scales": fp8_pow2_scales, "fp8_only": fp8_only, "options": opts}
     if layer_residual_add is None:
         r = attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps, norm_eps,
                              **kw)

@@ -79,9 +79,10 @@ def test_reference_scale_rules():
 
 
 # ------------------------------------------------------------------------------------------- op plumbing
-def _call(op: str, inp, mode, pow2, *, layout_kwargs=None, options=None, tap=False, snapshot_slot=None):
+def _call(op: str, inp, mode, pow2, *, layout_kwargs=None, options=None, tap=False, snapshot_slot=None,
+          fp8_only=False):
     w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
-    kw = dict(fp8=mode, fp8_pow2_scales=pow2, options=options)
+    kw = dict(fp8=mode, fp8_pow2_scales=pow2, options=options, fp8_only=fp8_only)
     if op == "attn_res_rmsnorm":
         return attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, return_mixture=tap,
                                         snapshot_slot=snapshot_slot, **kw)
@@ -120,6 +121,19 @@ def _check_against_reference(result, mode, pow2, what, bf16_output=None):
         assert_same_bits(output, bf16_output, f"{what}: the bf16 output changed with fp8")
 
 
+def _check_fp8_only(op: str, inp, mode, pow2, options, full, what):
+    """The FP8-only call (no bf16 output) returns the full call's results (no tap) without the output, bit for
+    bit."""
+    only = _call(op, inp, mode, pow2, options=options, fp8_only=True)
+    expected = full[:-3] + full[-2:] if op != "attn_res_rmsnorm" else full[-2:]
+    assert len(only) == len(expected), what
+    for i, (got, want) in enumerate(zip(only, expected)):
+        if want is None:
+            assert got is None, what
+        else:
+            assert_same_bits(got.contiguous(), want.contiguous(), f"{what}: fp8_only result {i}")
+
+
 OPS = ("attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_add_rmsnorm_persistent")
 # (T, N, H): H = 1152 splits 128-column groups across split_k's blocks (chunk 72 vectors), 7168 does not; at
 # N <= 4 single_cta lays H = 1152 out as split_k's two chunks in one block (a thread's index is not its vector's).
@@ -137,7 +151,9 @@ def test_matches_quantized_bf16_output(device, op, mode, pow2):
         for kernel, opts in kernel_options(device, op, T, N, H, add=addends > 0, add2=addends > 1, fp8=mode):
             what = f"{op} {mode} pow2={pow2} T={T} N={N} H={H} {layout} {kernel}"
             expected_bf16 = _bf16_call(op, inp, opts)
-            _check_against_reference(_call(op, inp, mode, pow2, options=opts), mode, pow2, what, expected_bf16)
+            full = _call(op, inp, mode, pow2, options=opts)
+            _check_against_reference(full, mode, pow2, what, expected_bf16)
+            _check_fp8_only(op, inp, mode, pow2, opts, full, what)
 
 
 @requires_cuda
@@ -150,9 +166,10 @@ def test_split_k_groups_across_blocks(mode, H, cluster):
         inp = make_inputs(T, N, H, addends=1, seed=H + cluster + T, device="cuda")
         opts = attnres.Options(kernel="split_k", cluster=cluster)
         for pow2 in (False, True):
-            _check_against_reference(_call("attn_res_add_rmsnorm", inp, mode, pow2, options=opts), mode, pow2,
-                                     f"split_k H={H} cluster={cluster} T={T} N={N}",
-                                     _bf16_call("attn_res_add_rmsnorm", inp, opts))
+            what = f"split_k H={H} cluster={cluster} T={T} N={N}"
+            full = _call("attn_res_add_rmsnorm", inp, mode, pow2, options=opts)
+            _check_against_reference(full, mode, pow2, what, _bf16_call("attn_res_add_rmsnorm", inp, opts))
+            _check_fp8_only("attn_res_add_rmsnorm", inp, mode, pow2, opts, full, what)
 
 
 @requires_cuda
@@ -179,8 +196,9 @@ def test_persistent_every_vector_bucket(mode, blocks_per_sm):
             inp = make_inputs(T, N, H, addends=int(add), seed=T + H, device="cuda")
             for pow2 in (False, True):
                 what = f"{op} T={T} N={N} H={H} blocks_per_sm={planned.blocks_per_sm} passes={planned.passes}"
-                _check_against_reference(_call(op, inp, mode, pow2, options=options), mode, pow2, what,
-                                         _bf16_call(op, inp, options))
+                full = _call(op, inp, mode, pow2, options=options)
+                _check_against_reference(full, mode, pow2, what, _bf16_call(op, inp, options))
+                _check_fp8_only(op, inp, mode, pow2, options, full, what)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -196,6 +214,18 @@ def test_tap_and_snapshot_with_fp8(device):
     r = _call("attn_res_rmsnorm", inp, "per_token", False, tap=True)
     assert len(r) == 4
     _check_against_reference((r[0], r[2], r[3]), "per_token", False, "rmsnorm tap")
+    # FP8-only: the same results but the bf16 output, the snapshot row written all the same.
+    inp.bank_row(inp.spare_slot).copy_(bank_before)
+    only = _call("attn_res_add_rmsnorm", inp, "block128", True, tap=True, snapshot_slot=inp.spare_slot,
+                 fp8_only=True)
+    assert len(only) == 4
+    for got, want in zip(only, (updated, mixture, q, s)):
+        assert_same_bits(got.contiguous(), want.contiguous(), "fp8_only tap+snapshot")
+    assert_same_bits(inp.bank_row(inp.spare_slot), updated, "fp8_only snapshot row")
+    only = _call("attn_res_rmsnorm", inp, "per_token", False, tap=True, fp8_only=True)
+    assert len(only) == 3
+    for got, want in zip(only, r[1:]):
+        assert_same_bits(got, want, "fp8_only rmsnorm tap")
 
 
 # ---------------------------------------------------------------------------------------- boundary cases
@@ -294,6 +324,8 @@ def test_non_finite_groups(device, mode):
 @pytest.mark.parametrize("device", DEVICES)
 def test_rejections_write_nothing(device):
     inp = make_inputs(2, 3, 200, addends=1, device=device)  # H = 200: not a multiple of 128
+    codes = torch.full((2, 200), 0x55, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    scales = torch.full((2, 1), -7.0, device=device)
     before = inp.storage_snapshot()
     w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
     cases = [
@@ -311,12 +343,56 @@ def test_rejections_write_nothing(device):
         (lambda: torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None, inp.block_residual,
                                                         *w, False, "block128", topology="persistent"),
          "multiple of 128"),
+        # fp8_only: an FP8 mode is required, and no output tensor is taken.
+        (lambda: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8_only=True),
+         "^attn_res_rmsnorm: fp8_only requires fp8 = 'per_token' or 'block128'"),
+        (lambda: attnres.attn_res_add_rmsnorm_persistent(inp.layer_residual, inp.block_residual, *w,
+                                                         layer_residual_add=inp.add, fp8_only=True),
+         "^attn_res_add_rmsnorm: fp8_only requires fp8"),
+        (lambda: torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                        *w, fp8_only=True), "fp8_only requires fp8"),
+        (lambda: torch.ops.attnres.attn_res_rmsnorm.out(
+            inp.layer_residual, inp.block_residual, *w, fp8="per_token", fp8_only=True,
+            output=torch.empty_like(inp.layer_residual), output_fp8=codes, fp8_scales=scales),
+         "^attn_res_rmsnorm: fp8_only takes no output tensor"),
+        (lambda: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w, fp8="per_token",
+                                              fp8_only=True, out=(None, torch.empty_like(inp.layer_residual),
+                                                                  codes, scales)),
+         r"out must be a tuple of 3 tensors or None \(updated, output_fp8, fp8_scales\)"),
+        # Without an FP8 mode the library requires the output (a .out call that leaves it None).
+        (lambda: torch.ops.attnres.attn_res_rmsnorm.out(inp.layer_residual, inp.block_residual, *w,
+                                                        output=None),
+         r"^attn_res_rmsnorm: output is required \(only an FP8 call may leave it out"),
     ]
     for call, message in cases:
         with pytest.raises(attnres.ArgumentError, match=message):
             call()
     for name, buf in inp.storage_snapshot().items():
         assert torch.equal(bits(buf), bits(before[name])), name
+    assert (codes.view(torch.uint8) == 0x55).all() and (scales == -7.0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_call_without_output_is_the_fp8_only_call(device):
+    """torch.ops' .out overload with output=None and an FP8 mode (fp8_only or not) writes the codes and scales of
+    the call that also writes the output."""
+    inp = make_inputs(3, 4, 256, addends=1, device=device, seed=9)
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    updated, output, q, s = attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                                         fp8="block128")
+    for fp8_only in (False, True):
+        u = torch.empty_like(updated)
+        q2 = torch.full_like(q.view(torch.uint8), 0x55).view(torch.float8_e4m3fn)
+        s2 = fp8.empty_scales("block128", 3, 256, device).fill_(-7.0)
+        torch.ops.attnres.attn_res_add_rmsnorm.out(inp.layer_residual, inp.add, None, inp.block_residual, *w,
+                                                   fp8="block128", fp8_only=fp8_only, updated=u, output=None,
+                                                   output_fp8=q2, fp8_scales=s2)
+        for got, want in ((u, updated), (q2, q), (s2, s)):
+            assert_same_bits(got, want, f".out without output, fp8_only={fp8_only}")
+        functional = torch.ops.attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, None, inp.block_residual,
+                                                            *w, fp8="block128", fp8_only=True)
+        assert functional[1].shape == (0,)
+        assert_same_bits(functional[3], q, "functional fp8_only codes")
 
 
 def test_cpp_rejections_of_fp8_tensors():
@@ -393,9 +469,15 @@ def test_fake_shapes_and_strides(mode):
                                             inp.rms_weight, inp.norm_weight)]
         fake = torch.ops.attnres.attn_res_add_rmsnorm(args[0], args[1], None, *args[2:], 1e-5, 1e-5, False, mode)
         fake_rms = torch.ops.attnres.attn_res_rmsnorm(args[0], args[2], *args[3:], 1e-5, 1e-5, False, mode)
+        fake_only = torch.ops.attnres.attn_res_rmsnorm(args[0], args[2], *args[3:], 1e-5, 1e-5, False, mode,
+                                                       fp8_only=True)
+        with pytest.raises(attnres.ArgumentError, match="fp8_only requires fp8"):
+            torch.ops.attnres.attn_res_rmsnorm(args[0], args[2], *args[3:], 1e-5, 1e-5, fp8_only=True)
     for r, f in zip(real, fake):
         assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype)
     assert fake_rms[3].stride() == real[4].stride() and fake_rms[2].dtype == torch.float8_e4m3fn
+    assert fake_only[0].shape == (0,) and (fake_only[2].shape, fake_only[3].stride()) == (fake_rms[2].shape,
+                                                                                          fake_rms[3].stride())
 
 
 def test_compiled_matches_eager():
@@ -411,6 +493,15 @@ def test_compiled_matches_eager():
         assert_same_bits(c.contiguous(), e.contiguous(), "compiled")
     assert compiled[3].stride() == eager[3].stride()
 
+    def g(lr, add, bank, a, b, c):
+        return attnres.attn_res_add_rmsnorm(lr, add, bank, a, b, c, 1e-5, 1e-5, fp8="per_token", fp8_only=True)
+
+    compiled = torch.compile(g, backend="aot_eager", fullgraph=True)(*args)
+    full = attnres.attn_res_add_rmsnorm(*args, 1e-5, 1e-5, fp8="per_token")
+    assert len(compiled) == 3
+    for c, e in zip(compiled, (full[0], full[2], full[3])):
+        assert_same_bits(c, e, "compiled fp8_only")
+
 
 # ------------------------------------------------------------------------------------- graphs and PDL (GPU)
 @requires_cuda
@@ -418,7 +509,7 @@ def test_compiled_matches_eager():
 def test_graph_replay_and_pdl_chain(mode):
     """A chain of FP8 ops (each reading the previous op's updated prefix) captured in one CUDA graph, with
     PDL, replayed on fresh inputs: every op's codes and scales equal the quantized bf16 output of an eager
-    run of the same chain."""
+    run of the same chain; the same chain of FP8-only calls, too."""
     T, N, H = 4, 9, 7168
     inp = make_inputs(T, N, H, addends=1, seed=11, device="cuda")
     w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
@@ -453,3 +544,27 @@ def test_graph_replay_and_pdl_chain(mode):
             rq, rs = fp8.quantize(o, mode, step % 2 == 1)
             assert_same_bits(q, rq, f"replay {trial} step {step}: codes vs reference")
             assert_same_bits(s.contiguous(), rs, f"replay {trial} step {step}: scales vs reference")
+
+    def chain_fp8_only():
+        p, outs = prefix, []
+        for step in range(3):
+            updated, q, s = attnres.attn_res_add_rmsnorm(p, inp.add, inp.block_residual, *w, fp8=mode,
+                                                         fp8_pow2_scales=step % 2 == 1, fp8_only=True)
+            outs.append((q, s))
+            p = updated
+        return outs
+
+    chain_fp8_only()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = chain_fp8_only()
+    prefix.copy_(make_inputs(T, N, H, addends=1, seed=200, device="cuda").layer_residual)
+    for q, s in captured:
+        q.view(torch.uint8).fill_(0x55)
+        s.fill_(float("nan"))
+    g.replay()
+    torch.cuda.synchronize()
+    for step, ((q, s), (_, eq, es)) in enumerate(zip(captured, chain())):
+        assert_same_bits(q, eq, f"fp8_only replay step {step}: codes")
+        assert_same_bits(s, es, f"fp8_only replay step {step}: scales")

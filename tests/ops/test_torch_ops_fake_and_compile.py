@@ -8,7 +8,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import attnres
-from helpers import BF16, assert_same_bits, make_inputs
+from helpers import BF16, ROOT, assert_same_bits, make_inputs
 
 OP_NAMES = ("attn_res", "attn_res_rmsnorm", "attn_res_add_rmsnorm", "attn_res_snapshot", "attn_res_rmsnorm_snapshot",
             "attn_res_add_rmsnorm_snapshot")
@@ -16,6 +16,8 @@ OPTION_ARGS = ("topology", "split_max_tokens", "pdl", "force_kernel", "cluster")
 OUTPUTS = {"attn_res": ("updated", "output", "rsigma", "probs", "logits"),
            "attn_res_rmsnorm": ("output", "mixture", "output_fp8", "fp8_scales"),
            "attn_res_add_rmsnorm": ("updated", "output", "mixture", "output_fp8", "fp8_scales")}
+# Features after the options (so positional calls of the schema without them stay valid).
+LATER = {"attn_res": (), "attn_res_rmsnorm": ("fp8_only",), "attn_res_add_rmsnorm": ("fp8_only",)}
 # The persistent kernel is an option of the family op (the persistent ops are gone).
 PERSISTENT = {"topology": "persistent"}
 
@@ -28,7 +30,9 @@ def test_ops_are_registered_with_their_schemas():
         schema = op.default._schema
         args = [a.name for a in schema.arguments]
         assert args[0] == "layer_residual", (name, args)
-        assert tuple(args[-5:]) == OPTION_ARGS, (name, args)
+        later = LATER[family]
+        assert tuple(args[len(args) - len(later) - 5:len(args) - len(later)]) == OPTION_ARGS, (name, args)
+        assert tuple(args[len(args) - len(later):]) == later, (name, args)
         assert [r.name for r in schema.returns] == list(OUTPUTS[family]), (name, schema)
         mutated = [a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         assert mutated == (["bank"] if snapshot else []), (name, mutated)
@@ -57,6 +61,8 @@ def _op_calls(inp):
         ("attn_res_add_rmsnorm", (lr, add, add2, bank, *w3, *eps, True), {}),
         ("attn_res_add_rmsnorm", (lr, add, add2, bank, *w3, *eps, False),
          {"fp8": "per_token", "fp8_pow2_scales": True}),
+        ("attn_res_add_rmsnorm", (lr, add, None, bank, *w3, *eps, True), {"fp8": "per_token", "fp8_only": True}),
+        ("attn_res_rmsnorm", (lr, bank, *w3, *eps, False), {"fp8": "per_token", "fp8_only": True}),
         # the former persistent ops: the family ops with topology="persistent"
         ("attn_res_add_rmsnorm", (lr, add, None, bank, *w3, *eps), PERSISTENT),
         ("attn_res_rmsnorm", (lr, bank, *w3, *eps), PERSISTENT),
@@ -223,3 +229,13 @@ def test_compiled_snapshot_call_outside_the_storage_is_refused(device):
     assert "ArgumentError" in repr(e.value) or isinstance(e.value, attnres.ArgumentError), repr(e.value)
     assert "attn_res_add_rmsnorm: snapshot_slot 5 lies outside" in str(e.value)
     assert_same_bits(bank, inp.bank_buffer, "bank after the refused compiled call")
+
+
+def test_op_pages_show_the_registered_schemas():
+    """Each family's page (docs/ops/<family>.md) shows every overload's schema exactly as registered."""
+    for name in OP_NAMES:
+        family = name.removesuffix("_snapshot")
+        page = (ROOT / "docs" / "ops" / f"{family}.md").read_text()
+        op = getattr(torch.ops.attnres, name)
+        for overload in (op.default, op.out):
+            assert str(overload._schema) in page, (family, str(overload._schema))

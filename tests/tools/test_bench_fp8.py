@@ -126,3 +126,24 @@ def test_prefill_table_target_and_summary():
     assert lines[-1].endswith("-> met") and any("persistent -> split_k" in line for line in lines)
     assert fp8_prefill.summary([]) == [] and fp8_prefill.target([]) is None
     assert any(row[0] == "fp8 prefill" for row in targets(_prefill_records()))
+
+
+def test_prefill_target_judges_the_fp8_only_calls():
+    """With FP8-only records the target is theirs; the calls that also write the bf16 output are reported beside
+    (here 10 % over the bf16 call, past the target, while the FP8-only calls are 2 % faster)."""
+    recs = _prefill_records(0.10)
+    for r in list(recs):
+        if r["mode"] is not None:
+            recs.append({**r, "provider": fp8_prefill.provider(r["mode"], True), "fp8_only": True,
+                         "median_us": 98.0})
+    assert fp8_prefill.provider("block128", True) == "attnres/fp8_only_block128"
+    assert len(fp8_prefill.table(recs)) == 8
+    ident, what, measured, met = fp8_prefill.target(recs)
+    assert met and "FP8-only" in what and "4 of 4 points" in measured and "-2.0%" in measured
+    lines = fp8_prefill.summary(recs)
+    assert any(line.startswith("the FP8 call with the bf16 output too: 0 of 4 points") for line in lines)
+    assert any("only block128" in line for line in lines)
+    recs.append({**recs[-1], "bitwise_equal": False, "T": 1024, "N": 2, "op": "norm"})
+    assert fp8_prefill.target(recs)[3] is False
+    assert fp8_prefill.VARIANTS == ((None, False), ("per_token", False), ("block128", False), ("per_token", True),
+                                    ("block128", True))

@@ -46,7 +46,8 @@ struct AttnResArgs {
   double rms_eps = 1e-5;
   double norm_eps = 1e-5;
   // outputs (caller-allocated)
-  TensorRef output;   // [T, H] bf16: the normed output (norm ops) or the mixture (attn_res)
+  TensorRef output;   // [T, H] bf16: the normed output (norm ops) or the mixture (attn_res); absent in the
+                      // norm ops' FP8-only call (fp8 != none): then only output_fp8 and fp8_scales are written
   TensorRef updated;  // [T, H] bf16: the updated prefix; required exactly when an addend is given
   TensorRef mixture;  // [T, H] bf16: optional pre-norm tap (norm ops)
   TensorRef rsigma, probs, logits;  // [N, T] fp32 diagnostics (attn_res; optional)
@@ -54,8 +55,8 @@ struct AttnResArgs {
   // snapshot_slot * snapshot stride). Must be >= K: the row is not a candidate of the same call. -1: none.
   int64_t snapshot_slot = -1;
   // FP8 output (norm ops): with fp8 != none, output_fp8 [T, H] e4m3 (contiguous last dimension) and
-  // fp8_scales fp32 are written from `output`: per_token: [T, 1] (any token stride); block128: [T, H / 128]
-  // in DeepGEMM's Hopper layout, column-major over tokens: strides {1, round_up(T, 4)}.
+  // fp8_scales fp32 are written from the bf16 `output` (stored or not): per_token: [T, 1] (any token stride);
+  // block128: [T, H / 128] in DeepGEMM's Hopper layout, column-major over tokens: strides {1, round_up(T, 4)}.
   // fp8_pow2_scales rounds every scale up to a power of two (UE8M0-valued).
   Fp8Scales fp8 = Fp8Scales::none;
   bool fp8_pow2_scales = false;

@@ -111,7 +111,8 @@ void cpu_attn_res(AttnResOp op, const AttnResArgs& a) {
 
   const float rms_eps = static_cast<float>(a.rms_eps), norm_eps = static_cast<float>(a.norm_eps);
   const float h_count = static_cast<float>(H);
-  std::vector<bf16> prefix(H), mixed(H);
+  // The FP8-only call has no output tensor: the bf16 output row the codes are taken from is kept here.
+  std::vector<bf16> prefix(H), mixed(H), output_row(out.base ? 0 : H);
   std::vector<const bf16*> cand(N);
   std::vector<float> logit(N), rsigma(N), prob(N);
 
@@ -171,7 +172,7 @@ void cpu_attn_res(AttnResOp op, const AttnResArgs& a) {
       for (int64_t h = 0; h < H; ++h) tap.mut(t)[h] = mixed[h];
 
     // Step 7: the trailing norm in Kimi's two-rounding order.
-    bf16* o = out.mut(t);
+    bf16* o = out.base ? out.mut(t) : output_row.data();
     if (has_norm) {
       const float r = 1.0f / std::sqrt(sum_squares(mixed.data(), H) / h_count + norm_eps);
       for (int64_t h = 0; h < H; ++h) {

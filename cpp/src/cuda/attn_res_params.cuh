@@ -36,7 +36,7 @@ struct PerTokenParams {
   const __nv_bfloat16* res_weight;
   const __nv_bfloat16* rms_weight;
   const __nv_bfloat16* norm_weight;
-  __nv_bfloat16* output;
+  __nv_bfloat16* output;    // nullptr: the FP8-only call (FP8 instances only)
   __nv_bfloat16* updated;   // nullptr: not requested
   __nv_bfloat16* mixture;   // nullptr: no tap
   __nv_bfloat16* snapshot;  // bank row `snapshot_slot` of token 0; nullptr: no snapshot write

@@ -91,7 +91,7 @@ struct PersistentParams {
   const __nv_bfloat16* res_weight;
   const __nv_bfloat16* rms_weight;
   const __nv_bfloat16* norm_weight;
-  __nv_bfloat16* output;
+  __nv_bfloat16* output;   // nullptr: the FP8-only call (FP8 instances only)
   __nv_bfloat16* updated;  // nullptr without an addend
   __nv_bfloat16* snapshot; // bank row `snapshot_slot` of token 0 (token stride bank_token_stride); nullptr: none
   int64_t lr_stride, add_stride, add2_stride, bank_snapshot_stride, bank_token_stride, output_stride, updated_stride;
@@ -555,7 +555,8 @@ __global__ void __launch_bounds__(BLOCKS_PER_SM == 1 ? persistent::kMaxThreads :
           float m[8];
           unpack8(mixed[j], m);
           const uint4 out = rms_output8_scaled(m, r, norm_vector(j));
-          store16(p.output + t * p.output_stride + offset(j) / 2, out);
+          if (FP8 == Fp8Mode::none || p.output != nullptr)  // the FP8-only call stores no bf16 output
+            store16(p.output + t * p.output_stride + offset(j) / 2, out);
           if constexpr (kKeepOutput) kept[j] = out;
         }
 
