@@ -45,7 +45,8 @@ SUITES = {
           "separated, plus all-reduce and op latencies (docs/tp.md)",
     "fp8": "the FP8 epilogue's cost over the bf16 add2 op (per_token, block128) against the bf16 op + a separate "
            "quantization (eager, torch.compile), T = 1, 4, 8, 32, N = 2, 9, 12, H = 7168 (not part of 'all'); "
-           "--prefill: attn_res_rmsnorm, one addend and two with FP8 against bf16 under the default options, "
+           "--prefill: attn_res_rmsnorm, one addend and two with FP8 (with the bf16 output and without: "
+           "fp8_only) against bf16 under the default options, "
            "T = 1024, 4096 x N = 1..12, cold L2 (--quick: 3 points)",
     "allreduce": "the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower bound: local "
                  "memory instead of NVLink) against the plain op and the unfused all_reduce + op, T = 1..32",

@@ -9,8 +9,9 @@
 # and the prefill grid (PEERS_QUICK=1: their reduced grids), with vLLM's kernel side by side where
 # build/engines/vllm is prepared (and FlagGems-vllm's where build/engines/flaggems is); variants: the persistent
 # kernel's geometry variants (their GPU bit tests, then python -m bench persistent --variants); fp8: the FP8
-# epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9); allreduce: the fused all-reduce epilogues in the
-# in-process W = 2 world on one GPU (a lower bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU
+# epilogue benchmark (FP8_QUICK=1: T = 1, 32 at N = 9; FP8_PREFILL=1 adds `bench fp8 --prefill`, its 3 points
+# with FP8_QUICK); allreduce: the fused all-reduce epilogues in the in-process W = 2 world on one GPU (a lower
+# bound of two GPUs; ALLREDUCE_QUICK=1: T = 1, 8); tp: the two-GPU
 # checks and benchmark (nvidia-h200-x2; TP_SYMM=1 adds the symmetric-memory one-shot floor in a process of its own);
 # teeth: tools/pdl_teeth.sh (the PDL-release test against a mutant that releases at kernel entry: must fail);
 # grids: the runs the per-GPU defaults are read from: two addends on every kernel (`bench prefill --ops add2
@@ -167,6 +168,11 @@ if has fp8; then
   step "FP8 epilogue benchmark (fused e4m3 output vs bf16 op + separate quantization)"
   timeout -s INT -k 20 "${FP8_WALL:-300}" python3 -m bench fp8 ${FP8_QUICK:+--quick} \
     --out "$OUT/fp8.json" 2>&1 | tail -40 || status=1
+  if [[ -n ${FP8_PREFILL:-} ]]; then
+    step "FP8 at prefill sizes: bf16 against the FP8 call with and without the bf16 output (FP8_QUICK: 3 points)"
+    timeout -s INT -k 20 "${FP8_PREFILL_WALL:-420}" python3 -m bench fp8 --prefill ${FP8_QUICK:+--quick} \
+      --out "$OUT/fp8_prefill.json" 2>&1 | tail -60 || status=1
+  fi
 fi
 if has allreduce; then
   step "fused all-reduce epilogues, in-process W = 2 world on one GPU (a lower bound: local memory, not NVLink)"
