@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from . import _C, _attn_ops
+from . import fp8 as _fp8
 from ._attn_ops import FAMILIES, allocate, call, rows_past_storage
 from ._registry import bump_versions, note_writes
 from ._tensors import as_tensor
@@ -31,6 +32,9 @@ from .options import DEFAULT, Options
 _DEFAULT_C = DEFAULT.to_c()
 _is_compiling = torch.compiler.is_compiling
 _empty_like = torch.empty_like
+_empty = torch.empty
+_E4M3 = torch.float8_e4m3fn
+_FP8_MODES = frozenset(_fp8.MODES)
 _call = _C.attn_res_call
 _OP = _C.AttnResOp
 _NOT_SNAPSHOT = _C.NOT_SNAPSHOT
@@ -214,6 +218,24 @@ def _normed(fp8_only) -> tuple[str, ...]:
     return () if fp8_only else ("output",)
 
 
+def _fp8_direct(op, inputs: tuple, lr: Tensor, updated: bool, rms_eps, norm_eps, fp8: str, pow2, fp8_only):
+    """The eager FP8 call of plain tensors without out=, a tap, a snapshot or options, straight to the library
+    (the same allocations and call as the generic path); None when it needs torch's dispatcher or the generic
+    path's judgement (a prefix that is not [T, H] or [T, 1, H])."""
+    shape = lr.shape
+    if len(shape) not in (2, 3):
+        return None
+    output = None if fp8_only else _empty_like(lr)
+    upd = _empty_like(lr) if updated else None
+    codes = _empty(shape, dtype=_E4M3, device=lr.device)
+    scales = _fp8.empty_scales(fp8, shape[0], shape[-1], lr.device)
+    if not _call(op, (*inputs, output, upd, None, None, None, None, codes, scales), rms_eps, norm_eps, -1,
+                 _NOT_SNAPSHOT, fp8, bool(pow2), _DEFAULT_C, True):
+        return None
+    result = (codes, scales) if fp8_only else (output, codes, scales)
+    return (upd, *result) if updated else result
+
+
 def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, norm_weight, rms_eps: float,
                      norm_eps: float, *, return_mixture: bool = False, snapshot_slot: int | None = None,
                      fp8: str | None = None, fp8_pow2_scales: bool = False, fp8_only: bool = False, out=None,
@@ -229,6 +251,12 @@ def attn_res_rmsnorm(layer_residual, block_residual, res_weight, rms_weight, nor
                             output, None, None, None, None, None, None, None),
                  rms_eps, norm_eps, -1, _NOT_SNAPSHOT, None, bool(fp8_pow2_scales), _DEFAULT_C, True):
             return output
+    elif out is None and snapshot_slot is None and options is None and not return_mixture and type(fp8) is str \
+            and fp8 in _FP8_MODES and type(layer_residual) is Tensor and not _is_compiling():
+        r = _fp8_direct(_RMSNORM, (layer_residual, None, None, block_residual, res_weight, rms_weight, norm_weight),
+                        layer_residual, False, rms_eps, norm_eps, fp8, fp8_pow2_scales, fp8_only)
+        if r is not None:
+            return r
     produced = _normed(fp8_only) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "block_residual": block_residual, "res_weight": res_weight,
          "rms_weight": rms_weight, "norm_weight": norm_weight, "rms_eps": rms_eps, "norm_eps": norm_eps,
@@ -262,6 +290,13 @@ def attn_res_add_rmsnorm(layer_residual, layer_residual_add, block_residual, res
                 if out is not None:
                     bump_versions((updated, output))
                 return updated, output
+    elif out is None and snapshot_slot is None and options is None and not return_mixture and type(fp8) is str \
+            and fp8 in _FP8_MODES and type(layer_residual) is Tensor and not _is_compiling():
+        r = _fp8_direct(_ADD_RMSNORM, (layer_residual, layer_residual_add, layer_residual_add2, block_residual,
+                                       res_weight, rms_weight, norm_weight),
+                        layer_residual, True, rms_eps, norm_eps, fp8, fp8_pow2_scales, fp8_only)
+        if r is not None:
+            return r
     produced = ("updated",) + _normed(fp8_only) + (("mixture",) if return_mixture else ()) + _fp8_outputs(fp8)
     v = {"layer_residual": layer_residual, "layer_residual_add": layer_residual_add,
          "layer_residual_add2": layer_residual_add2, "block_residual": block_residual, "res_weight": res_weight,

@@ -395,6 +395,43 @@ def test_out_call_without_output_is_the_fp8_only_call(device):
         assert_same_bits(functional[3], q, "functional fp8_only codes")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_eager_fp8_call_goes_straight_to_the_library(device, monkeypatch):
+    """A plain eager FP8 call (no out=, tap, snapshot or options) skips the generic op path (ops._run) and gives
+    the generic path's results bit for bit (options=DEFAULT takes the generic path); malformed calls still get
+    the generic path's errors."""
+    from attnres import ops
+
+    inp = make_inputs(3, 5, 256, addends=2, device=device, seed=21)
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    calls = {
+        "add": lambda only, **kw: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w,
+                                                               layer_residual_add2=inp.add2, fp8="block128",
+                                                               fp8_pow2_scales=True, fp8_only=only, **kw),
+        "norm": lambda only, **kw: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w,
+                                                            fp8="per_token", fp8_only=only, **kw),
+    }
+    generic = {(name, only): f(only, options=attnres.Options()) for name, f in calls.items() for only in (0, 1)}
+
+    def no_generic_path(*args, **kwargs):
+        raise AssertionError("the eager FP8 call took the generic path")
+
+    monkeypatch.setattr(ops, "_run", no_generic_path)
+    for (name, only), want in generic.items():
+        got = calls[name](bool(only))
+        assert len(got) == len(want), (name, only)
+        for g, e in zip(got, want):
+            assert (g.shape, g.stride(), g.dtype) == (e.shape, e.stride(), e.dtype), (name, only)
+            assert_same_bits(g.contiguous(), e.contiguous(), f"{name} fp8_only={only}")
+    monkeypatch.undo()
+    for bad, message in ((["per_token"], "fp8 must be None, 'per_token' or 'block128'"),
+                         ("per_tensor", "fp8 must be None, 'per_token' or 'block128'")):
+        with pytest.raises(attnres.ArgumentError, match=message):
+            attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w, fp8=bad)
+    with pytest.raises(attnres.ArgumentError, match="^attn_res_add_rmsnorm: layer_residual must be a 2-D"):
+        attnres.attn_res_add_rmsnorm(inp.layer_residual[0], inp.add[0], inp.block_residual, *w, fp8="per_token")
+
+
 def test_cpp_rejections_of_fp8_tensors():
     """The C++ validation, reached through attnres._C with hand-built arguments: attn_res cannot emit FP8,
     wrong dtype, shape and block128 strides are named."""

@@ -194,3 +194,14 @@ def test_cli_rejections(tmp_path, capsys):
     with pytest.raises(SystemExit, match="--tokens"):
         bench_main(["chain", "--device", "cpu", "--tokens", "1,x", "--out", str(tmp_path / "c.json")])
     assert not (tmp_path / "c.json").exists()
+
+
+def test_host_suite_runs_every_case_on_the_cpu():
+    """`python -m attnres.bench host --device cpu`'s cases (the FP8 ones included) run and are reported."""
+    from attnres.bench import host
+
+    records = host.run(device="cpu", calls=3, rounds=1)
+    names = [r["case"] for r in records]
+    assert names == list(host.cases("cpu")) and all(r["host_us"] > 0 for r in records)
+    assert "attn_res_add_rmsnorm (two addends, FP8-only)" in names
+    assert host.summary(records)[-1].startswith("host cost target <= 15.0 us (cpu)")
