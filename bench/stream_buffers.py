@@ -1,7 +1,8 @@
 """single_cta at large T (python -m bench stream): one run measures the streaming kernel with 2, 3 and 4 token
 buffers (attnres._stream_tuning's buffers knob: the token being reduced and 1..3 tokens whose rows are in flight; a
 count the N bucket is not built with is recorded as declined) and the token-block kernel (one block per token,
-several per SM: the knob's `token_blocks` at every T), interleaved with the default options and split_k, at T in
+several per SM: the knob's `token_blocks` at every T; at N = 3 also `token_blocks_exact`, its instance built for
+exactly three candidates, three blocks per SM), interleaved with the default options and split_k, at T in
 {256, 1024, 4096, 16384} x N in {1, 2, 3, 4}, with and without the addend (op "norm": attn_res_add_rmsnorm /
 attn_res_rmsnorm; op "mix": attn_res without the fp32 diagnostics, the engines' call), H = 7168, cold L2 (rotating sets
 past twice the L2), against the copy floor of the same run.
@@ -30,6 +31,7 @@ CANDIDATES = (1, 2, 3, 4)
 BUFFERS = (2, 3, 4)
 MIN_CALLS = 4
 OPS = ("norm", "mix")
+EXACT_N = 3  # the token-block kernel's exact instance (plan_tuning.hpp kTokenBlocksExactCandidates)
 
 
 def points(tokens=TOKENS, candidates=CANDIDATES, ops=("norm",)) -> list[tuple[int, int, bool, str]]:
@@ -47,8 +49,9 @@ def _options(name: str, pdl: bool):
         return attnres.Options(pdl=pdl)
     if name == "split_k":
         return attnres.Options(kernel="split_k", pdl=pdl)
-    if name == "token_blocks":
-        return stream.StreamOptions(stream.NEVER, "single_cta", pdl, blocks_min_tokens=stream.ALWAYS)
+    if name.startswith("token_blocks"):
+        return stream.StreamOptions(stream.NEVER, "single_cta", pdl, blocks_min_tokens=stream.ALWAYS,
+                                    blocks_exact_n=name == "token_blocks_exact")
     return stream.StreamOptions(0, "single_cta", pdl, buffers=int(name.split(":")[1]))
 
 
@@ -58,7 +61,8 @@ def run_point(T: int, N: int, H: int, add: bool, op: str = "norm", *, pdl: bool,
     nbytes = op_bytes(T, N, H, add)
     sets = make_sets(T, N, H, rotating_sets(nbytes, minimum=1), seed=T * 100 + N + 7 * add)
     calls = [sets[i % len(sets)] for i in range(max(MIN_CALLS, len(sets)))]
-    names = ["default", "split_k", "token_blocks"] + [f"buffers:{b}" for b in BUFFERS]
+    names = ["default", "split_k", "token_blocks"] + ["token_blocks_exact"] * (N == EXACT_N) + \
+        [f"buffers:{b}" for b in BUFFERS]
     opts, declined = {}, {}
     for n in names:
         o = _options(n, pdl)

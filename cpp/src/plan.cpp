@@ -392,6 +392,8 @@ Plan detail::plan_arithmetic(const PlanQuery& q, const DeviceInfo& dev, const Op
     p.route = Route::token_blocks;
     p.threads = token_blocks_threads(q.hidden);
     p.vectors = tuning::kTokenBlocksVectors;
+    if (o.token_blocks_exact_n && q.candidates == tuning::kTokenBlocksExactCandidates)
+      p.max_candidates = tuning::kTokenBlocksExactCandidates;
     p.blocks_per_sm = tuning::token_blocks_per_sm(p.max_candidates);
   } else if (kernel == KernelKind::single_cta) {
     p.cluster = 1;

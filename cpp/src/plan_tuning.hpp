@@ -126,7 +126,14 @@ constexpr int64_t kStreamStaticSharedBytes = 4096;
 // no spills, ptxas 13.0) and 2 at N = 3, 4 (128, <= 8 bytes spilled); at N <= 2, 3 blocks of 256 threads ran
 // level with or faster than 4 blocks of 128 threads (7 vectors each) and 2 of 256 (h100_6af7c58_token_blocks_ab.txt).
 constexpr int32_t kTokenBlocksVectors = 4;
-constexpr int32_t token_blocks_per_sm(int32_t bucket) { return bucket <= 2 ? 3 : 2; }
+// An instance built for exactly N = 3 (no padded fourth candidate), reached only through the benchmark knob
+// Options::token_blocks_exact_n: bounded for 3 blocks per SM (80 registers; 20 bytes spilled without an addend,
+// 60-130 with one or two, ptxas 13.0), each slot's scores reduced on their own (8 values per reduce-scatter,
+// not 32) so that they fit. An experiment: the bucket's instance holds attn_res_rmsnorm at N = 3 to 74-77 % of
+// the copy rate at T = 4096 with two blocks per SM.
+constexpr int32_t kTokenBlocksExactCandidates = 3;
+// max_candidates: the instance's N (single_cta's bucket 2 or 4, or kTokenBlocksExactCandidates).
+constexpr int32_t token_blocks_per_sm(int32_t max_candidates) { return max_candidates <= 3 ? 3 : 2; }
 // The automatic choice takes it where it measured faster than the kernel taken before (the streaming single_cta at
 // N <= 2, split_k at N = 3 with one addend, the streaming kernel without an addend at N = 3, 4) on the H100 at
 // H = 7168, T = 4096 and 16384 (h100_6af7c58_token_blocks_ab.txt, cold L2, interleaved, same run; again at T = 4096

@@ -182,7 +182,8 @@ NB_MODULE(_C, m) {
       .def_rw("_persistent_passes", &Options::persistent_passes)
       .def_rw("_stream_min_tokens", &Options::stream_min_tokens)
       .def_rw("_stream_buffers", &Options::stream_buffers)
-      .def_rw("_token_blocks_min_tokens", &Options::token_blocks_min_tokens);
+      .def_rw("_token_blocks_min_tokens", &Options::token_blocks_min_tokens)
+      .def_rw("_token_blocks_exact_n", &Options::token_blocks_exact_n);
 
   nb::class_<PlanQuery>(m, "PlanQuery")
       .def(nb::init<>())

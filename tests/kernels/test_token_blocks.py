@@ -17,6 +17,7 @@ import torch
 import attnres
 from attnres import _C, _stream_tuning as stream, reference
 from attnres.graphs import capture
+from attnres.planning import plan_info
 from conftest import requires_cuda
 from helpers import assert_same_bits, assert_storage_unchanged
 from test_persistent import check_rows, sample_tokens
@@ -26,6 +27,7 @@ pytestmark = [requires_cuda, pytest.mark.gpu]
 
 BF16 = torch.bfloat16
 BLOCKS = stream.StreamOptions(stream.NEVER, "single_cta", blocks_min_tokens=stream.ALWAYS)
+EXACT = stream.StreamOptions(stream.NEVER, "single_cta", blocks_min_tokens=stream.ALWAYS, blocks_exact_n=True)
 SPLIT_K = attnres.Options(kernel="split_k")
 
 
@@ -45,14 +47,14 @@ def _calls(inp):
     }
 
 
-def _every_call_gives_split_k_bits(inp, ctx: str):
+def _every_call_gives_split_k_bits(inp, ctx: str, blocks=BLOCKS):
     before = inp.storage_snapshot()
     for name, call in _calls(inp).items():
         want = [t.clone() for t in call(SPLIT_K)]
-        got = call(BLOCKS)
+        got = call(blocks)
         for t in got:
             t.fill_(float("nan"))
-        got = call(BLOCKS)
+        got = call(blocks)
         assert len(got) == len(want), (ctx, name)
         for i, (a, b) in enumerate(zip(got, want)):
             assert_same_bits(a, b, f"{ctx}: {name} output {i} vs split_k")
@@ -79,6 +81,27 @@ def test_token_blocks_equal_split_k_and_the_oracle(N, H):
                                  layer_residual_add2=inp.add2[idx], norm_weight=inp.norm_weight,
                                  norm_eps=inp.norm_eps)
         check_rows(got[1][idx], ref.output, f"{ctx}: output vs oracle")
+
+
+@pytest.mark.parametrize("H", [200, 1160, 7168, 8192])
+def test_exact_n3_instance_equals_split_k(H):
+    """The instance built for exactly N = 3 (three blocks per SM, each slot's scores reduced on their own; the knob
+    token_blocks_exact_n): split_k's bits in every mode, also for non-finite and zero rows, and it is what runs."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for T in (1, 4 * sms + 3):
+        ctx = f"exact N=3 T={T} H={H}"
+        p = stream.plan(stream.NEVER, tokens=T, candidates=3, hidden=H, blocks_min_tokens=stream.ALWAYS,
+                        blocks_exact_n=True)
+        assert (p.route, p.max_candidates, p.blocks_per_sm) == ("token_blocks", 3, 3), (ctx, p)
+        inp = _inputs(T, 3, H, seed=T * 7 + H)
+        if T > 20:
+            inp.layer_residual[3].zero_()
+            inp.add[9, 5] = float("nan")
+            inp.block_residual[0, 13, 7] = float("-inf")
+            inp.block_residual[1, 17].zero_()
+        _every_call_gives_split_k_bits(inp, ctx, EXACT)
+        launched = plan_info(_C._last_launch()[0])
+        assert (launched.route, launched.max_candidates, launched.blocks_per_sm) == ("token_blocks", 3, 3), ctx
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4])

@@ -82,3 +82,23 @@ def test_the_knob_is_validated():
     with pytest.raises(attnres.ArgumentError, match="token_blocks_min_tokens must be an int"):
         stream.StreamOptions(0, blocks_min_tokens=1.5)
     assert "token_blocks" in _C.Route.__members__
+
+
+def test_the_exact_n3_knob_takes_its_instance_at_n3_only():
+    """token_blocks_exact_n: at N = 3 the instance built for three candidates, three blocks per SM (the bucket's:
+    N = 4, two); at every other N, on any other route and in the default plan nothing changes."""
+    for device in ("h100", "h200"):
+        for N, bucket, blocks in ((1, 2, 3), (2, 2, 3), (3, 4, 2), (4, 4, 2)):
+            kw = dict(tokens=8192, candidates=N, hidden=H, device=device, blocks_min_tokens=stream.ALWAYS)
+            base, exact = stream.plan(stream.NEVER, **kw), stream.plan(stream.NEVER, blocks_exact_n=True, **kw)
+            assert (base.route, base.max_candidates, base.blocks_per_sm) == ("token_blocks", bucket, blocks)
+            want = (3, 3) if N == 3 else (bucket, blocks)
+            assert (exact.max_candidates, exact.blocks_per_sm) == want, (device, N, exact)
+            assert (exact.threads, exact.vectors, exact.smem_bytes) == (base.threads, base.vectors, 0)
+    # Another route's plan is the one without the knob; the default options never set it.
+    for kernel in ("split_k", "single_cta"):
+        kw = dict(tokens=8192, candidates=3, hidden=H, device="h100", kernel=kernel)
+        assert stream.plan(stream.NEVER, blocks_exact_n=True, **kw) == stream.plan(stream.NEVER, **kw), kernel
+    assert not _C.Options()._token_blocks_exact_n and not attnres.Options().to_c()._token_blocks_exact_n
+    with pytest.raises(attnres.ArgumentError, match="token_blocks_exact_n must be a bool"):
+        stream.StreamOptions(0, blocks_exact_n=1)

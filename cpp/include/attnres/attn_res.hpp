@@ -108,6 +108,10 @@ struct Options {
   // per token, several per SM; the same bits) from this T on, where the output is bf16. 0: the plan's bound
   // (plan_tuning.hpp automatic_token_blocks_min_tokens).
   int64_t token_blocks_min_tokens = 0;
+  // Benchmark-only (`_token_blocks_exact_n` of the binding): at N = 3 the token-block kernel runs an instance built
+  // for exactly three candidates, three blocks per SM, instead of the bucket's (N = 4, two); elsewhere no effect.
+  // The same bits.
+  bool token_blocks_exact_n = false;
 };
 
 // What the plan needs to know of a call: a pure function of these, the device and the options.

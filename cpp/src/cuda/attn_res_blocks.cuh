@@ -16,6 +16,8 @@
 //     (attn_res_per_token.cuh "PDL release"); the newest row K-1 is loaded after the wait into its own slot by a
 //     predicated load that leaves the slot as it is otherwise (no second register set).
 //   * In place (`updated` = layer_residual): a vector's prefix is loaded and stored by the one thread that owns it.
+//   * Instances: single_cta's buckets (N <= 2: three blocks per SM; N <= 4: two) and, for the benchmark knob
+//     Options::token_blocks_exact_n, N = 3 exactly (three; plan_tuning.hpp kTokenBlocksExactCandidates).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -112,28 +114,33 @@ __global__ void __launch_bounds__(kBlocksMaxThreads, MIN_BLOCKS)
   // ---- the candidates' (sum of squares, dot with q): warp (reduce-scatter), block (32-vector warps in order) ----
   float prob[NMAX];
   if (scores) {
-    constexpr int kWidth = scatter_width(S * kValues);
+    // The values one reduce-scatter takes: every slot's at once, or one slot's at a time where the registers are
+    // bounded for three blocks per SM and all of them would not fit (the exact N = 3 instance: 8 partial sums
+    // live instead of 32). Each value's tree is warp_sum's butterfly either way: the same bits.
+    constexpr int kSlotsPerScatter = MIN_BLOCKS >= 3 && S * kValues > 16 ? 1 : S;
+    constexpr int kWidth = scatter_width(kSlotsPerScatter * kValues);
     constexpr int kLanesPerValue = 32 / kWidth;
-    float part[kWidth];
 #pragma unroll
-    for (int i = S * kValues; i < kWidth; ++i) part[i] = 0.0f;
+    for (int s0 = 0; s0 < S; s0 += kSlotsPerScatter) {
+      float part[kWidth];
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      // q = rms_weight * res_weight in fp32, never rounded; read here, not held across the loads.
-      float q[8], a[8], b[8];
-      unpack8(load16_if(p.res_weight + col[s], valid[s]), a);
-      unpack8(load16_if(p.rms_weight + col[s], valid[s]), b);
+      for (int i = kSlotsPerScatter * kValues; i < kWidth; ++i) part[i] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];
+      for (int s = s0; s < s0 + kSlotsPerScatter; ++s) {
+        // q = rms_weight * res_weight in fp32, never rounded; read here, not held across the loads.
+        float q[8], a[8], b[8];
+        unpack8(load16_if(p.res_weight + col[s], valid[s]), a);
+        unpack8(load16_if(p.rms_weight + col[s], valid[s]), b);
 #pragma unroll
-      for (int n = 0; n < NMAX; ++n)
-        vector_scores(candidate(s, n), q, part[s * kValues + 2 * n], part[s * kValues + 2 * n + 1]);
-    }
-    {
+        for (int e = 0; e < 8; ++e) q[e] = b[e] * a[e];
+#pragma unroll
+        for (int n = 0; n < NMAX; ++n)
+          vector_scores(candidate(s, n), q, part[(s - s0) * kValues + 2 * n], part[(s - s0) * kValues + 2 * n + 1]);
+      }
       const float sum = warp_reduce_scatter<kWidth>(part, lane);
       const int index = lane / kLanesPerValue;
-      if (lane % kLanesPerValue == 0 && index < S * kValues)
-        warp_part[(group * S + index / kValues) * kChunkWarps + group_warp][index % kValues] = sum;
+      if (lane % kLanesPerValue == 0 && index < kSlotsPerScatter * kValues)
+        warp_part[(group * S + s0 + index / kValues) * kChunkWarps + group_warp][index % kValues] = sum;
     }
     __syncthreads();
     if (tid < 2 * N) totals[tid] = chunked_sum<kBlocksMaxWarpSlots>(&warp_part[0][tid], kValues, warp_slots);

@@ -29,10 +29,12 @@ KernelFn blocks_by_mode(Mode mode) {
   return nullptr;
 }
 
-// single_cta's buckets (N <= 2, N <= 4).
+// single_cta's buckets (N <= 2, N <= 4) and the exact N = 3 instance (Options::token_blocks_exact_n).
 KernelFn blocks_instance(int max_candidates, Mode mode) {
   static_assert(kCandidateBuckets[0] == 2 && kCandidateBuckets[1] == kSingleCtaMaxCandidates, "single_cta's buckets");
   if (max_candidates == kCandidateBuckets[0]) return blocks_by_mode<kCandidateBuckets[0]>(mode);
+  if (max_candidates == tuning::kTokenBlocksExactCandidates)
+    return blocks_by_mode<tuning::kTokenBlocksExactCandidates>(mode);
   if (max_candidates == kCandidateBuckets[1]) return blocks_by_mode<kCandidateBuckets[1]>(mode);
   return nullptr;
 }
