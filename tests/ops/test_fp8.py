@@ -432,6 +432,24 @@ def test_eager_fp8_call_goes_straight_to_the_library(device, monkeypatch):
         attnres.attn_res_add_rmsnorm(inp.layer_residual[0], inp.add[0], inp.block_residual, *w, fp8="per_token")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_only_out_returns_the_given_tensors(device):
+    """out= of an FP8-only call is (updated, output_fp8, fp8_scales): the given tensors come back, written with the
+    allocating call's bits; updated may be the prefix itself (in place)."""
+    inp = make_inputs(3, 4, 256, addends=1, device=device, seed=13)
+    w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+    want = attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual, *w, fp8="block128",
+                                        fp8_only=True)
+    q = torch.full((3, 256), 0x55, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    s = fp8.empty_scales("block128", 3, 256, device).fill_(-7.0)
+    prefix = inp.layer_residual.clone()
+    got = attnres.attn_res_add_rmsnorm(prefix, inp.add, inp.block_residual, *w, fp8="block128", fp8_only=True,
+                                       out=(prefix, q, s))
+    assert got[0] is prefix and got[1] is q and got[2] is s
+    for g, e in zip(got, want):
+        assert_same_bits(g, e, "fp8_only out=")
+
+
 def test_cpp_rejections_of_fp8_tensors():
     """The C++ validation, reached through attnres._C with hand-built arguments: attn_res cannot emit FP8,
     wrong dtype, shape and block128 strides are named."""
