@@ -47,8 +47,8 @@ def _records(fused_cost=0.1, equal=True):
 def test_table_and_target_from_records():
     rows = fp8.table(_records(0.1))
     assert len(rows) == 4
-    T, N, mode, base, fused, cost, eager, comp = rows[0]
-    assert (T, N, mode) == (1, 9, "per_token")
+    T, N, mode, base, fused, cost, eager, comp, only, only_cost = rows[0]
+    assert (T, N, mode) == (1, 9, "per_token") and only is None and only_cost is None
     assert cost == pytest.approx(0.1) and eager == pytest.approx(30.0 - base) and comp == pytest.approx(6.0 - base)
     what, measured, met = fp8.target(_records(0.1))
     assert met and "0.2 us" in what and "bitwise" in measured
@@ -58,6 +58,20 @@ def test_table_and_target_from_records():
     lines = fp8.summary(_records(0.1))
     assert lines[-1].endswith("-> met") and len(lines) == 1 + 4 + 1
     assert fp8.summary([]) == [] and fp8.target([]) is None
+
+
+def test_the_target_judges_the_fp8_only_call_where_measured():
+    """With FP8-only records the target is their cost (0.15 us: met) although the fused call costs 0.3 us."""
+    recs = _records(0.3)
+    for T, N in ((1, 9), (32, 9)):
+        for mode in fp8.MODES:
+            recs.append(_rec(f"attnres/add2_fp8_only_{mode}", T, N, 2.0 + T / 100 + 0.15, mode, True))
+    rows = fp8.table(recs)
+    assert all(r[9] == pytest.approx(0.15) and r[5] == pytest.approx(0.3) for r in rows)
+    what, measured, met = fp8.target(recs)
+    assert met and "FP8-only" in what and "+0.150 us" in measured and "(FP8-only)" in measured
+    assert fp8.target(_records(0.3))[2] is False
+    assert fp8.summary(recs)[1].rstrip().endswith("+0.15")
 
 
 def test_a_bitwise_mismatch_fails_the_run(capsys):
