@@ -622,4 +622,4 @@ def test_graph_replay_and_pdl_chain(mode):
     torch.cuda.synchronize()
     for step, ((q, s), (_, eq, es)) in enumerate(zip(captured, chain())):
         assert_same_bits(q, eq, f"fp8_only replay step {step}: codes")
-        assert_same_bits(s, es, f"fp8_only replay step {step}: scales")
+        assert_same_bits(s.contiguous(), es.contiguous(), f"fp8_only replay step {step}: scales")
