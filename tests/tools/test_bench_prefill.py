@@ -71,6 +71,10 @@ def test_readers():
     assert row[0] == "prefill" and row[3] is False
     assert row[2] == "2 of 3 points; lowest 79.0% at norm T=1024 N=1 (split_k, 13.7 us)"
     assert prefill.target([_rec("mix", 4096, 2, 90.0)])[3] is True
+    # With the same-bytes copy: reported beside the target, which stays the copy rate's.
+    same = [dict(_rec("norm", 1024, 1, 79.0, 13.7), pct_copy_same=93.0), dict(_rec("add", 1024, 2, 91.0), pct_copy_same=85.0)]
+    row = prefill.target(same)
+    assert row[3] is False and row[2].endswith("; against a copy of the same bytes: 1 of 2, lowest 85.0% at add T=1024 N=2")
     assert prefill.target([_rec("mix", 256, 2, 10.0)]) is None
     assert any(r[0] == "prefill" for r in targets(records))
     lines = prefill.summary(records)
@@ -116,7 +120,11 @@ def test_the_suite_runs_on_the_cpu_backend(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     recs = prefill.run(H=64, copy_tbs=4.0, repeats=3, tokens=(5,), candidates=(1, 3))
     assert [(r["op"], r["N"]) for r in recs] == [(op, N) for op in prefill.OPS for N in (1, 3)]
-    assert len(captured) == 8 and all(len(calls) == 3 for calls in captured)
+    # Per point the op's graph, then the same-bytes copies' (a read and a write of bytes / 2 each).
+    assert len(captured) == 16 and all(len(calls) == 3 for calls in captured)
+    copies, captured = captured[1::2], captured[0::2]
+    assert all(tuple(c.shape) == (prefill.op_bytes(op, 5, N, 64) // 4,) and c.dtype == torch.bfloat16
+               for (op, N), calls in zip([(op, N) for op in prefill.OPS for N in (1, 3)], copies) for c in calls)
     # Each op's calls ran on the CPU backend and returned its outputs: the mixture alone for attn_res without the
     # diagnostics, the output for attn_res_rmsnorm, (updated, output) with an addend.
     shapes = [[tuple(t.shape) for t in (c if isinstance(c, tuple) else (c,))] for c in (calls[0] for calls in captured)]
@@ -124,6 +132,8 @@ def test_the_suite_runs_on_the_cpu_backend(monkeypatch):
     r = recs[0]
     assert r["bytes"] == prefill.op_bytes("mix", 5, 1, 64) and r["gbps"] == pytest.approx(r["bytes"] / 10e-6 / 1e9)
     assert r["pct_copy"] == pytest.approx(100 * r["gbps"] / 4000.0) and r["kernel"] == "split_k"
+    assert r["copy_same_us"] == 10.0 and r["pct_copy_same"] == pytest.approx(100.0)
+    assert prefill.target(recs) is None  # T = 5 lies outside the target
 
 
 def test_persistent_from_reads_the_rule_of_the_two_addend_table():
