@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attnres
-from attnres import _C, _stream_tuning as stream, reference
+from attnres import _C, _stream_tuning as stream, fp8, reference
 from attnres.graphs import capture
 from attnres.planning import plan_info
 from conftest import requires_cuda
@@ -102,6 +102,46 @@ def test_exact_n3_instance_equals_split_k(H):
         _every_call_gives_split_k_bits(inp, ctx, EXACT)
         launched = plan_info(_C._last_launch()[0])
         assert (launched.route, launched.max_candidates, launched.blocks_per_sm) == ("token_blocks", 3, 3), ctx
+
+
+@pytest.mark.parametrize("mode", ["per_token", "block128"])
+@pytest.mark.parametrize("H", [1024, 4104, 7168])
+def test_fp8_instances_give_the_quantized_split_k_output(mode, H):
+    """The FP8 instances (taken through the knob): the bf16 output is split_k's bit for bit, the codes and scales are
+    attnres.fp8.quantize of it, with and without the bf16 output (fp8_only), at every instance N (N = 3 exact too),
+    normed modes with zero, one and two addends. block128 needs chunks of a multiple of 16 vectors (H = 4104's are
+    not: the plan keeps another kernel there)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    aligned = mode == "per_token" or H != 4104  # split_k's chunks: 128 vectors at H = 1024 and 7168, 103 at 4104
+    for N, options in ((1, BLOCKS), (2, BLOCKS), (3, BLOCKS), (3, EXACT), (4, BLOCKS)):
+        for T in (1, 3 * sms + 7):
+            ctx = f"{mode} H={H} N={N} T={T} exact={options is EXACT}"
+            inp = _inputs(T, N, H, seed=T + 17 * N + H)
+            w = (inp.res_weight, inp.rms_weight, inp.norm_weight, inp.rms_eps, inp.norm_eps)
+            calls = {
+                "norm": lambda o, **kw: attnres.attn_res_rmsnorm(inp.layer_residual, inp.block_residual, *w,
+                                                                 options=o, **kw),
+                "add": lambda o, **kw: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual,
+                                                                    *w, options=o, **kw),
+                "add2": lambda o, **kw: attnres.attn_res_add_rmsnorm(inp.layer_residual, inp.add, inp.block_residual,
+                                                                     *w, layer_residual_add2=inp.add2, options=o,
+                                                                     **kw),
+            }
+            for name, call in calls.items():
+                want = call(SPLIT_K)
+                want = want if isinstance(want, tuple) else (want,)
+                got = call(options, fp8=mode)
+                launched = plan_info(_C._last_launch()[0])
+                assert (launched.route == "token_blocks") == aligned, (ctx, name, launched)
+                assert_same_bits(got[-3], want[-1], f"{ctx} {name}: the bf16 output vs split_k")
+                rq, rs = fp8.quantize(want[-1], mode)
+                assert_same_bits(got[-2], rq, f"{ctx} {name}: codes")
+                assert_same_bits(got[-1].contiguous(), rs, f"{ctx} {name}: scales")
+                for a, b in zip(got[:-3], want[:-1]):
+                    assert_same_bits(a, b, f"{ctx} {name}: updated")
+                only = call(options, fp8=mode, fp8_only=True)
+                assert_same_bits(only[-2], rq, f"{ctx} {name}: FP8-only codes")
+                assert_same_bits(only[-1].contiguous(), rs, f"{ctx} {name}: FP8-only scales")
 
 
 @pytest.mark.parametrize("N", [1, 2, 3, 4])

@@ -9,6 +9,7 @@ import pytest
 
 import attnres
 from attnres import _C, _stream_tuning as stream
+from attnres.planning import device_info, plan_info
 
 H = 7168
 FROM = 4096
@@ -102,3 +103,21 @@ def test_the_exact_n3_knob_takes_its_instance_at_n3_only():
     assert not _C.Options()._token_blocks_exact_n and not attnres.Options().to_c()._token_blocks_exact_n
     with pytest.raises(attnres.ArgumentError, match="token_blocks_exact_n must be a bool"):
         stream.StreamOptions(0, blocks_exact_n=1)
+
+
+def test_fp8_calls_take_token_blocks_only_through_the_knob():
+    """The FP8 instances are not measured: the automatic plan keeps FP8 calls off the token blocks; the knob takes
+    them there, block128 only where split_k's chunks are multiples of 16 vectors (H = 7168: 128; H = 4104: 103)."""
+    for fp8 in ("per_token", "block128"):
+        auto = attnres.plan("attn_res_add_rmsnorm", tokens=8192, candidates=2, hidden=H, device="h100", add=True,
+                            fp8=fp8)
+        assert auto.route != "token_blocks", auto
+        q = _C.PlanQuery()
+        q.op, q.tokens, q.candidates, q.hidden, q.add = _C.AttnResOp.attn_res_add_rmsnorm, 8192, 2, H, True
+        q.fp8 = getattr(_C.Fp8Scales, fp8)
+        knob = stream.StreamOptions(stream.NEVER, "single_cta", blocks_min_tokens=stream.ALWAYS).to_c()
+        forced = plan_info(_C.plan_query(q, device_info("h100"), knob))
+        assert forced.route == "token_blocks" and forced.blocks_per_sm == 3, forced
+        q.hidden = 4104
+        other = plan_info(_C.plan_query(q, device_info("h100"), knob))
+        assert (other.route == "token_blocks") == (fp8 == "per_token"), (fp8, other)

@@ -105,8 +105,9 @@ struct Options {
   // 2..4 where the call's N bucket is built with it (ArgumentError otherwise).
   int32_t stream_buffers = 0;
   // Benchmark-only (`_token_blocks_min_tokens` of the binding): single_cta runs the token-block kernel (one block
-  // per token, several per SM; the same bits) from this T on, where the output is bf16. 0: the plan's bound
-  // (plan_tuning.hpp automatic_token_blocks_min_tokens).
+  // per token, several per SM; the same bits) from this T on, FP8 calls included (block128 where split_k's chunks
+  // are multiples of 16 vectors). 0: the plan's bound (plan_tuning.hpp automatic_token_blocks_min_tokens; bf16
+  // calls only).
   int64_t token_blocks_min_tokens = 0;
   // Benchmark-only (`_token_blocks_exact_n` of the binding): at N = 3 the token-block kernel runs an instance built
   // for exactly three candidates, three blocks per SM, instead of the bucket's (N = 4, two); elsewhere no effect.

@@ -38,8 +38,9 @@ constexpr int kBlocksMaxWarpSlots = kBlocksMaxThreads / 32 * kBlocksVectors;  //
 
 constexpr int pow2_at_least(int n) { return n <= 1 ? 1 : 2 * pow2_at_least((n + 1) / 2); }
 
-// MIN_BLOCKS: the blocks resident per SM the registers are bounded for (tuning::token_blocks_per_sm).
-template <int NMAX, Mode MODE, int MIN_BLOCKS>
+// MIN_BLOCKS: the blocks resident per SM the registers are bounded for (tuning::token_blocks_per_sm). FP8: the
+// e4m3 epilogue after the norm (the norm modes; fp8_epilogue_vectors), a compile-time variant.
+template <int NMAX, Mode MODE, int MIN_BLOCKS, Fp8Mode FP8 = Fp8Mode::none>
 __global__ void __launch_bounds__(kBlocksMaxThreads, MIN_BLOCKS)
     attn_res_blocks_kernel(const __grid_constant__ PerTokenParams p) {
   constexpr int S = kBlocksVectors;
@@ -50,11 +51,13 @@ __global__ void __launch_bounds__(kBlocksMaxThreads, MIN_BLOCKS)
   constexpr int kEarlyRows = NMAX - 2;                   // rows that may be loaded before the wait
   static_assert(S * kValues <= 32, "one reduce-scatter per warp");
   static_assert(NMAX <= kSingleCtaMaxCandidates, "single_cta's buckets");
+  static_assert(FP8 == Fp8Mode::none || kNorm, "the FP8 epilogue quantizes the normed output");
 
   __shared__ float warp_part[kBlocksMaxWarpSlots][kValues];
   __shared__ float totals[kValues];
   __shared__ float warp_sq[kBlocksMaxWarpSlots];
   __shared__ float block_sq;
+  __shared__ uint32_t fp8_warp_amax[FP8 == Fp8Mode::per_token ? kBlocksMaxThreads / 32 : 1];
 
   const int tid = threadIdx.x, lane = tid & 31;
   const int group = tid / kChunkThreads, chunk_lane = tid % kChunkThreads, group_warp = chunk_lane >> 5;
@@ -203,16 +206,54 @@ __global__ void __launch_bounds__(kBlocksMaxThreads, MIN_BLOCKS)
     if (tid == 0) block_sq = chunked_sum<kBlocksMaxWarpSlots>(warp_sq, 1, warp_slots);
     __syncthreads();
     const float r = norm_scale(block_sq, p.inv_hidden, p.norm_eps);
+    if constexpr (FP8 == Fp8Mode::none) {
 #pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if (valid[s]) {
-        float m[8];
-        unpack8(mixed[s], m);
-        store16(p.output + token * p.output_stride + col[s],
-                rms_output8_scaled(m, r, load16_if(p.norm_weight + col[s], true)));
+      for (int s = 0; s < S; ++s) {
+        if (valid[s]) {
+          float m[8];
+          unpack8(mixed[s], m);
+          store16(p.output + token * p.output_stride + col[s],
+                  rms_output8_scaled(m, r, load16_if(p.norm_weight + col[s], true)));
+        }
       }
+    } else {
+      // Slot s of a warp holds 32 consecutive vectors of chunk group * S + s from a multiple of 32: the layout
+      // fp8_epilogue_vectors takes (block128 where the chunks are multiples of 16 vectors: the plan's rule).
+      uint4 out[S];
+#pragma unroll
+      for (int s = 0; s < S; ++s) {
+        out[s] = make_uint4(0, 0, 0, 0);
+        if (valid[s]) {
+          float m[8];
+          unpack8(mixed[s], m);
+          out[s] = rms_output8_scaled(m, r, load16_if(p.norm_weight + col[s], true));
+          if (p.output != nullptr)  // the FP8-only call stores no bf16 output
+            store16(p.output + token * p.output_stride + col[s], out[s]);
+        }
+      }
+      fp8_epilogue_vectors<FP8, S, kBlocksMaxThreads / 32>(p, out, valid, col, token, lane, tid >> 5, fp8_warp_amax);
     }
   }
 }
+
+// The instance for the plan's `max_candidates` (single_cta's buckets 2 and 4, or kTokenBlocksExactCandidates) in
+// mode M with the FP8 epilogue F, its registers bounded for tuning::token_blocks_per_sm of it (nullptr for none).
+template <Mode M, Fp8Mode F = Fp8Mode::none>
+auto blocks_instance(int max_candidates) -> void (*)(PerTokenParams) {
+  static_assert(kCandidateBuckets[0] == 2 && kCandidateBuckets[1] == kSingleCtaMaxCandidates, "single_cta's buckets");
+  constexpr int kExact = tuning::kTokenBlocksExactCandidates;
+  switch (max_candidates) {
+    case kCandidateBuckets[0]:
+      return attn_res_blocks_kernel<kCandidateBuckets[0], M, tuning::token_blocks_per_sm(kCandidateBuckets[0]), F>;
+    case kExact: return attn_res_blocks_kernel<kExact, M, tuning::token_blocks_per_sm(kExact), F>;
+    case kCandidateBuckets[1]:
+      return attn_res_blocks_kernel<kCandidateBuckets[1], M, tuning::token_blocks_per_sm(kCandidateBuckets[1]), F>;
+    default: return nullptr;
+  }
+}
+
+// The FP8 instances (the norm modes; nullptr for any other mode), in their own translation unit
+// (cuda/attn_res_blocks_fp8_instances.cu).
+auto blocks_fp8_instance(Mode mode, Fp8Scales fp8, int max_candidates) -> void (*)(PerTokenParams);
 
 }  // namespace attnres::detail

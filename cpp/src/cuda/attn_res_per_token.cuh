@@ -137,6 +137,40 @@ __device__ __forceinline__ void fp8_store(const PerTokenParams& p, uint4 out, in
   }
 }
 
+// The FP8 epilogue of a one-block layout where each thread holds V vectors of a token's bf16 output (the streaming
+// and token-block single_cta): vector v of a warp's 32 lanes is 32 consecutive vectors of one rank chunk from a
+// multiple of 32, so with chunks of a multiple of 16 vectors a 128-column group is 16 aligned lanes (block128: two
+// half-warp maxima); per_token takes the block's maximum through shared memory (`warp_amax`, kMaxWarps entries; one
+// barrier). Every maximum is of bit patterns: order-independent, the bits of every other kernel.
+template <Fp8Mode FP8, int V, int kMaxWarps>
+__device__ __forceinline__ void fp8_epilogue_vectors(const PerTokenParams& p, const uint4 (&out)[V],
+                                                     const bool (&valid)[V], const int64_t (&col)[V], int token,
+                                                     int lane, int warp, uint32_t* warp_amax) {
+  uint32_t amax[V];
+#pragma unroll
+  for (int v = 0; v < V; ++v) amax[v] = valid[v] ? amax_bits8(out[v]) : 0u;
+  if constexpr (FP8 == Fp8Mode::per_token) {
+    uint32_t mine = amax[0];
+#pragma unroll
+    for (int v = 1; v < V; ++v) mine = max(mine, amax[v]);
+    mine = warp_max_u32(mine);
+    if (lane == 0) warp_amax[warp] = mine;
+    __syncthreads();
+    const int warps = static_cast<int>(blockDim.x) >> 5;
+    uint32_t block = 0;
+#pragma unroll
+    for (int i = 0; i < kMaxWarps; ++i) block = max(block, warp_amax[min(i, warps - 1)]);
+#pragma unroll
+    for (int v = 0; v < V; ++v) amax[v] = block;
+  } else {
+#pragma unroll
+    for (int v = 0; v < V; ++v) amax[v] = half_warp_max_u32(amax[v], lane);
+  }
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    if (valid[v]) fp8_store<FP8>(p, out[v], token, static_cast<int>(col[v] / 8), amax[v]);
+}
+
 // The FP8 epilogue of one token from the bf16 output `out` of this thread's vector `vec` (zeros when the
 // thread owns none): the group amax (per_token: the whole token, across the cluster; block128: 16 vectors,
 // which a block boundary may split when the chunk is not a multiple of 16), the scale, 8 codes per thread, and

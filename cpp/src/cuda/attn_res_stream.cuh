@@ -283,34 +283,8 @@ __global__ void __launch_bounds__(kStreamMaxThreads, 1)
             store16(p.output + token * p.output_stride + col[v], out[v]);
         }
       }
-      if constexpr (FP8 != Fp8Mode::none) {
-        // The group amax: the max of |x|'s bit patterns (order-independent: the bits of single_cta's reduction).
-        uint32_t amax[V];
-#pragma unroll
-        for (int v = 0; v < V; ++v) amax[v] = valid[v] ? amax_bits8(out[v]) : 0u;
-        if constexpr (FP8 == Fp8Mode::per_token) {
-          uint32_t mine = amax[0];
-#pragma unroll
-          for (int v = 1; v < V; ++v) mine = max(mine, amax[v]);
-          mine = warp_max_u32(mine);
-          if (lane == 0) fp8_warp_amax[warp] = mine;
-          __syncthreads();
-          const int warps = static_cast<int>(blockDim.x) >> 5;
-          uint32_t block = 0;
-#pragma unroll
-          for (int i = 0; i < kStreamMaxThreads / 32; ++i) block = max(block, fp8_warp_amax[min(i, warps - 1)]);
-#pragma unroll
-          for (int v = 0; v < V; ++v) amax[v] = block;
-        } else {
-          // Vector v's 32 lanes are 32 consecutive vectors of one chunk from a multiple of 32 (kChunkThreads is a
-          // multiple of 32), so with a chunk of a multiple of 16 vectors each half is one group.
-#pragma unroll
-          for (int v = 0; v < V; ++v) amax[v] = half_warp_max_u32(amax[v], lane);
-        }
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          if (valid[v]) fp8_store<FP8>(p, out[v], token, static_cast<int>(col[v] / 8), amax[v]);
-      }
+      if constexpr (FP8 != Fp8Mode::none)
+        fp8_epilogue_vectors<FP8, V, kStreamMaxThreads / 32>(p, out, valid, col, token, lane, warp, fp8_warp_amax);
     }
 
     token = next;
