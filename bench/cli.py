@@ -108,6 +108,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--pow2", action="store_true", help="fp8: power-of-two scales (fp8_pow2_scales=True)")
     f.add_argument("--prefill", action="store_true",
                    help="fp8: the prefill grid (every normed op, T = 1024, 4096, cold L2, the default options)")
+    f.add_argument("--fp8", choices=fp8.MODES, default=None,
+                   help="stream: every variant makes the FP8-only call (fp8=MODE, fp8_only) of the normed ops, beside "
+                        "the bf16 call under the default options (default_bf16)")
     g = p.add_argument_group("guard")
     g.add_argument("--baseline", default=None,
                    help="results file to compare with (e.g. bench_results/h200_4aed4f9.json)")
@@ -193,7 +196,8 @@ def _stream_step(args) -> common.Step:
     if args.ops:
         points["ops"] = tuple(args.ops.split(","))
     return lambda progress, extra: stream_buffers.run(pdl=not args.no_pdl, copy_tbs=_copy_floor(extra),
-                                                      progress=progress, repeats=args.repeats, **points)
+                                                      progress=progress, repeats=args.repeats, fp8=args.fp8,
+                                                      **points)
 
 
 # suite -> its steps, in order (all: the package's decode, finalize and chain among this harness's floors and tune).
@@ -242,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"stream: --candidates must be <= 4 (the streaming kernel's N buckets), got {args.candidates!r}")
     if args.prefill and args.suite != "fp8":
         p.error("--prefill applies to the fp8 suite only")
+    if args.fp8 is not None and args.suite != "stream":
+        p.error("--fp8 applies to the stream suite only")
+    if args.fp8 is not None and args.ops is not None and "mix" in args.ops.split(","):
+        p.error("stream --fp8: attn_res (op mix) has no normed output to quantize")
     if args.prefill and (args.pow2 or args.no_pdl):
         p.error("fp8 --prefill runs the default options: drop --pow2 and --no-pdl")
     if args.mix and args.suite != "topology":

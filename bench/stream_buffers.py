@@ -7,6 +7,11 @@ exactly three candidates, three blocks per SM), interleaved with the default opt
 attn_res_rmsnorm; op "mix": attn_res without the fp32 diagnostics, the engines' call), H = 7168, cold L2 (rotating sets
 past twice the L2), against the copy floor of the same run.
 
+With `fp8` (--fp8 per_token / block128; op "norm" only) every provider makes the call an FP8 GEMM's producer makes,
+fp8=MODE with fp8_only (the codes and scales, no bf16 output; the bytes counted accordingly), compared bit for bit
+with split_k's, and `default_bf16` times the bf16 call under the default options beside them (the cost FP8 must stay
+within: docs/performance.md, "FP8 output"); its outputs are another call's, so its bits are not compared.
+
 The question it answers (plan_tuning.hpp stream_buffers): where a token's DRAM reads are one row (N = 1 without
 the addend) one token in flight per SM is ~14 KB at H = 7168, below what an SM needs in flight to draw its share
 of the copy rate; more buffers put more in flight at the cost of shared memory. Every variant's outputs are
@@ -44,8 +49,15 @@ def op_name(add: bool, op: str) -> str:
     return "attn_res" if op == "mix" else "attn_res_add_rmsnorm" if add else "attn_res_rmsnorm"
 
 
+def fp8_bytes(T: int, H: int, fp8: str) -> int:
+    """What the FP8-only call moves less than the bf16 call: the T x H bf16 output (2 bytes an element) replaced by
+    the codes (1 byte) and the fp32 scales (one per token, or per 128 columns)."""
+    groups = 1 if fp8 == "per_token" else H // 128
+    return T * H - 4 * T * groups
+
+
 def _options(name: str, pdl: bool):
-    if name == "default":
+    if name in ("default", "default_bf16"):
         return attnres.Options(pdl=pdl)
     if name == "split_k":
         return attnres.Options(kernel="split_k", pdl=pdl)
@@ -56,13 +68,14 @@ def _options(name: str, pdl: bool):
 
 
 def run_point(T: int, N: int, H: int, add: bool, op: str = "norm", *, pdl: bool, copy_tbs: float,
-              repeats: int) -> list[dict]:
+              repeats: int, fp8: str | None = None) -> list[dict]:
     # attn_res moves the bytes of the normed op: its mixture takes the output's place (the norm weight aside).
-    nbytes = op_bytes(T, N, H, add)
+    bf16_bytes = op_bytes(T, N, H, add)
+    nbytes = bf16_bytes - (fp8_bytes(T, H, fp8) if fp8 else 0)
     sets = make_sets(T, N, H, rotating_sets(nbytes, minimum=1), seed=T * 100 + N + 7 * add)
     calls = [sets[i % len(sets)] for i in range(max(MIN_CALLS, len(sets)))]
     names = ["default", "split_k", "token_blocks"] + ["token_blocks_exact"] * (N == EXACT_N) + \
-        [f"buffers:{b}" for b in BUFFERS]
+        [f"buffers:{b}" for b in BUFFERS] + ["default_bf16"] * (fp8 is not None)
     opts, declined = {}, {}
     for n in names:
         o = _options(n, pdl)
@@ -72,31 +85,40 @@ def run_point(T: int, N: int, H: int, add: bool, op: str = "norm", *, pdl: bool,
         except attnres.ArgumentError as e:
             declined[n] = str(e)
 
-    def fn(s, o):
+    def fn(s, o, fp8_mode=fp8):
         if op == "mix":
             r = attnres.attn_res(s.prefix, s.bank, s.res_weight, s.rms_weight, EPS,
                                  layer_residual_add=s.routed if add else None, diagnostics=False, options=o)
             return r if isinstance(r, tuple) else (r,)
         w = (s.res_weight, s.rms_weight, s.norm_weight, EPS, EPS)
+        kw = {"fp8": fp8_mode, "fp8_only": True} if fp8_mode else {}
         if add:
-            return attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=o)
-        return (attnres.attn_res_rmsnorm(s.prefix, s.bank, *w, options=o),)
+            return attnres.attn_res_add_rmsnorm(s.prefix, s.routed, s.bank, *w, options=o, **kw)
+        r = attnres.attn_res_rmsnorm(s.prefix, s.bank, *w, options=o, **kw)
+        return r if isinstance(r, tuple) else (r,)
+
+    def variant(n):  # the call provider n makes: default_bf16 the bf16 call, every other one the point's
+        return lambda s, o: fn(s, o, None if n == "default_bf16" else fp8)
 
     plans = {}
     for n, o in opts.items():
-        fn(sets[0], o)
+        variant(n)(sets[0], o)
         plans[n] = plan_info(_C._last_launch()[0])  # what ran
     want = [t.clone() for t in fn(sets[0], opts["split_k"])]
-    bits = {n: all(same_bits(a, b) for a, b in zip(fn(sets[0], o), want)) for n, o in opts.items()}
+    bits = {n: None if n == "default_bf16" else all(same_bits(a, b) for a, b in zip(fn(sets[0], o), want))
+            for n, o in opts.items()}
     torch.cuda.synchronize()
-    graphs = {n: (capture([lambda s=s, o=o: fn(s, o) for s in calls]), len(calls)) for n, o in opts.items()}
+    graphs = {n: (capture([lambda s=s, o=o, f=variant(n): f(s, o) for s in calls]), len(calls))
+              for n, o in opts.items()}
     timings = time_interleaved(graphs, repeats=repeats)
     records = []
     for n, t in timings.items():
-        gbps = nbytes / (t.median_us * 1e-6) / 1e9
+        moved = bf16_bytes if n == "default_bf16" else nbytes
+        gbps = moved / (t.median_us * 1e-6) / 1e9
         p = plans[n]
         records.append({"suite": "stream_buffers", "provider": n, "T": T, "N": N, "H": H, "add": add, "op": op,
-                        "pdl": pdl, "sets": len(sets), "bytes": nbytes, "gbps": gbps, "copy_tbs": copy_tbs,
+                        "fp8": None if n == "default_bf16" else fp8,
+                        "pdl": pdl, "sets": len(sets), "bytes": moved, "gbps": gbps, "copy_tbs": copy_tbs,
                         "pct_copy": 100.0 * gbps / (copy_tbs * 1000.0), "bitwise_equal": bits[n],
                         "plan": {"kernel": p.kernel, "route": p.route, "slots": p.slots, "smem_bytes": p.smem_bytes,
                                  "threads": p.threads} if p else None, **t.as_dict()})
@@ -106,10 +128,11 @@ def run_point(T: int, N: int, H: int, add: bool, op: str = "norm", *, pdl: bool,
 
 
 def run(H: int = H_DEFAULT, pdl: bool = True, copy_tbs: float | None = None, progress=None, repeats: int = 25,
-        tokens=TOKENS, candidates=CANDIDATES, ops=("norm",)) -> list[dict]:
+        tokens=TOKENS, candidates=CANDIDATES, ops=("norm",), fp8: str | None = None) -> list[dict]:
     copy_tbs = copy_rate(copy_tbs)
     return measure(points(tokens, candidates, ops),
-                   lambda T, N, add, op: run_point(T, N, H, add, op, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats),
+                   lambda T, N, add, op: run_point(T, N, H, add, op, pdl=pdl, copy_tbs=copy_tbs, repeats=repeats,
+                                                   fp8=fp8),
                    lambda T, N, add, op: f"stream buffers {op_name(add, op)} T={T} N={N}", progress, empty_cache=True)
 
 
@@ -120,7 +143,7 @@ def _records(records):
 def differing(records: list[dict]) -> list[tuple[int, int, bool, str, str]]:
     """(T, N, add, op, provider) of every variant whose bits differ from split_k's."""
     return sorted((r["T"], r["N"], r["add"], r.get("op", "norm"), r["provider"]) for r in _records(records)
-                  if "declined" not in r and not r["bitwise_equal"])
+                  if "declined" not in r and r["bitwise_equal"] is False)
 
 
 def summary(records: list[dict]) -> list[str]:
@@ -132,8 +155,9 @@ def summary(records: list[dict]) -> list[str]:
         here = [r for r in rec if (r.get("op", "norm"), r["add"], r["N"], r["T"]) == key]
         base = next((r for r in here if r["provider"] == "buffers:2"), None)
         copy = next((r["copy_tbs"] for r in here if "copy_tbs" in r), None)
+        fp8 = next((r["fp8"] for r in here if r.get("fp8")), None)
         lines.append(f"stream buffers {'attn_res ' if op == 'mix' else ''}T={T} N={N} {'add' if add else 'no add'}"
-                     + (f" (copy floor {copy:.2f} TB/s)" if copy else ""))
+                     + (f" fp8 {fp8} (FP8-only)" if fp8 else "") + (f" (copy floor {copy:.2f} TB/s)" if copy else ""))
         for r in here:
             if "declined" in r:
                 lines.append(f"  {r['provider']:<10} declined: {r['declined']}")
@@ -144,5 +168,5 @@ def summary(records: list[dict]) -> list[str]:
             speed = f", {base['median_us'] / r['median_us']:.3f}x two buffers" if base else ""
             lines.append(f"  {r['provider']:<10} {shape:<32} {r['median_us']:9.2f} us (p10-p90 {r['p10_us']:.1f}-"
                          f"{r['p90_us']:.1f}) {r['pct_copy']:5.1f}% of copy{speed}"
-                         f"{'' if r['bitwise_equal'] else '  BITS DIFFER'}")
+                         f"{'  BITS DIFFER' if r['bitwise_equal'] is False else ''}")
     return lines

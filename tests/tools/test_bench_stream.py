@@ -40,10 +40,26 @@ def test_cli(capsys):
     for argv, message in ((["stream", "--candidates", "5"], "stream: --candidates must be <= 4"),
                           (["stream", "--candidates", "x"], "--candidates must be"),
                           (["stream", "--variants"], "--variants applies to the persistent suite only"),
-                          (["stream", "--ops", "add2"], "stream: --ops must be a comma-separated subset of norm,mix")):
+                          (["stream", "--ops", "add2"], "stream: --ops must be a comma-separated subset of norm,mix"),
+                          (["stream", "--fp8", "per_tensor"], "invalid choice"),
+                          (["stream", "--fp8", "block128", "--ops", "norm,mix"], "stream --fp8: attn_res (op mix)"),
+                          (["prefill", "--fp8", "block128"], "--fp8 applies to the stream suite only")):
         with pytest.raises(SystemExit) as exc:
             bench_main(argv)
         assert exc.value.code == 2 and message in capsys.readouterr().err, argv
     if not torch.cuda.is_available():
         assert bench_main(["stream", "--tokens", "1024", "--candidates", "1"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_fp8_variants_in_the_readers():
+    """--fp8: the bytes of the FP8-only call, the header naming the mode, and default_bf16 (bits not compared: None)
+    neither flagged nor counted as differing."""
+    assert sb.fp8_bytes(4096, 7168, "per_token") == 4096 * 7168 - 4 * 4096
+    assert sb.fp8_bytes(4096, 7168, "block128") == 4096 * 7168 - 4 * 4096 * 56
+    records = [_rec("token_blocks", 80.0) | {"fp8": "block128"}, _rec("default_bf16", 78.0, bits=None) | {"fp8": None},
+               _rec("split_k", 90.0) | {"fp8": "block128"}]
+    assert sb.differing(records) == []
+    lines = sb.summary(records)
+    assert lines[0] == "stream buffers T=4096 N=1 no add fp8 block128 (FP8-only) (copy floor 3.00 TB/s)"
+    assert not any("BITS DIFFER" in line for line in lines)
