@@ -80,7 +80,8 @@ def run_point(T: int, N: int, H: int, add: bool, op: str = "norm", *, pdl: bool,
     for n in names:
         o = _options(n, pdl)
         try:  # a count the N bucket is not built with: recorded as declined
-            attnres.plan(op_name(add, op), tokens=T, candidates=N, hidden=H, device="cuda", add=add, options=o)
+            attnres.plan(op_name(add, op), tokens=T, candidates=N, hidden=H, device="cuda", add=add,
+                         fp8=None if n == "default_bf16" else fp8, options=o)
             opts[n] = o
         except attnres.ArgumentError as e:
             declined[n] = str(e)
