@@ -127,8 +127,8 @@ constexpr int64_t kStreamStaticSharedBytes = 4096;
 // level with or faster than 4 blocks of 128 threads (7 vectors each) and 2 of 256 (h100_6af7c58_token_blocks_ab.txt).
 constexpr int32_t kTokenBlocksVectors = 4;
 // An instance built for exactly N = 3 (no padded fourth candidate), reached only through the benchmark knob
-// Options::token_blocks_exact_n: bounded for 3 blocks per SM (80 registers; 20 bytes spilled without an addend,
-// 60-130 with one or two, ptxas 13.0), each slot's scores reduced on their own (8 values per reduce-scatter,
+// Options::token_blocks_exact_n: bounded for 3 blocks per SM (80 registers; 16 bytes spilled without an addend,
+// 56-192 with one or two, ptxas 13.0), each slot's scores reduced on their own (8 values per reduce-scatter,
 // not 32) so that they fit. An experiment: the bucket's instance holds attn_res_rmsnorm at N = 3 to 74-77 % of
 // the copy rate at T = 4096 with two blocks per SM.
 constexpr int32_t kTokenBlocksExactCandidates = 3;

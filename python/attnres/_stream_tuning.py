@@ -10,8 +10,9 @@ changes no bit: the streaming kernel runs single_cta's arithmetic on every token
 attnres.ArgumentError (naming the op and the knob). buffers: the token buffers (the token being reduced and the
 ones whose rows are in flight), 0 for the plan's count, else 2..4 where the call's N bucket is built with it.
 blocks_min_tokens: single_cta runs the token-block kernel (one block per token, several per SM;
-cpp/src/cuda/attn_res_blocks.cuh) from this T on with bf16 output, before streaming; 0 keeps the plan's table
-(plan_tuning.hpp automatic_token_blocks_min_tokens), ALWAYS at every T, NEVER at none. It changes no bit either.
+cpp/src/cuda/attn_res_blocks.cuh) from this T on, before streaming, FP8 calls included; 0 keeps the plan's table
+(plan_tuning.hpp automatic_token_blocks_min_tokens; bf16 calls only), ALWAYS at every T, NEVER at none. It changes no
+bit either.
 blocks_exact_n: at N = 3 the token-block kernel runs its instance built for exactly three candidates (three blocks
 per SM) instead of the N = 4 bucket's (two); no effect elsewhere, no bit changed."""
 

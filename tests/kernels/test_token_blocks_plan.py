@@ -1,7 +1,8 @@
 """The plan of the token-block single_cta (no GPU needed: the described H100 and H200). One block per token,
 several per SM (cpp/src/cuda/attn_res_blocks.cuh): the automatic choice on the H100 from T = 4096 where it
-measured faster (plan_tuning.hpp automatic_token_blocks_min_tokens), never on the H200 (not measured), never with
-FP8 output (the streaming kernel's epilogue); the benchmark-only knob moves the bound for single_cta."""
+measured faster (plan_tuning.hpp automatic_token_blocks_min_tokens), never on the H200 (not measured), never
+automatically with FP8 output (its FP8 instances are not measured); the benchmark-only knobs move the bound for
+single_cta (FP8 calls included) and take the exact N = 3 instance."""
 
 from __future__ import annotations
 
